@@ -1,0 +1,233 @@
+"""`paperline`: run pipelines (DVC or Prefect), compare methods, regenerate reports, run the stack.
+
+    paperline list                      pipelines and their stages
+    paperline check <pipeline>          validate every stage's params, compute nothing
+    paperline repro <pipeline>|--all    sequential `dvc repro` under one MLflow parent run, then results
+    paperline run <pipeline> [--stage S]...   the same DAG through Prefect (parallel branches, retries)
+    paperline compare <pipeline>        registered models and method runs side by side (MLflow)
+    paperline report [<pipeline>]       regenerate README results tables from DVC metrics
+    paperline deploy                    one Prefect deployment per pipeline (work pool paperline-cpu)
+    paperline stack up|down|status      local Prefect server + worker + MLflow server, by PID
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from stages.core.config import ParamsError, UnknownNameError, did_you_mean, find_root
+
+
+def _root() -> Path:
+    return find_root(os.environ.get("PAPERLINE_ROOT") or None)
+
+
+def _pipelines(root: Path, name: str | None, all_: bool) -> list[str]:
+    from stages.core.runner import pipeline_dirs
+
+    dirs = pipeline_dirs(root)
+    if all_ or not name:
+        return list(dirs)
+    if name not in dirs:
+        raise did_you_mean(name, dirs, "pipeline")
+    return [name]
+
+
+def _dvcfile(root: Path, pipeline: str) -> str:
+    from stages.core.runner import pipeline_dir
+
+    return str((pipeline_dir(root, pipeline) / "dvc.yaml").relative_to(root))
+
+
+def _check(root: Path, pipeline: str) -> None:
+    from stages.core.config import active_profile, read_yaml
+    from stages.core.runner import build_context, validate_pipeline
+
+    ctx, params, source = build_context(root, pipeline, "check")
+    validate_pipeline(pipeline, params, active_profile(read_yaml(root / "params.yaml")), source)
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from stages.core.runner import pipeline_dirs
+    from stages.registry import STAGES
+
+    root = _root()
+    for name, d in pipeline_dirs(root).items():
+        stages = ", ".join(STAGES.get(name, {})) or "(no stages registered)"
+        print(f"{name:<14} {str((d / 'dvc.yaml').relative_to(root)):<32} {stages}")
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    root = _root()
+    for p in _pipelines(root, args.pipeline, args.all):
+        _check(root, p)
+        print(f"{p}: params valid")
+    return 0
+
+
+def cmd_repro(args: argparse.Namespace) -> int:
+    """Sequential `dvc repro` of each pipeline, each under one MLflow parent run."""
+    from flows.results import results_table, update_readme
+    from stages.core.tracking import PARENT_ENV, end_parent_run, start_parent_run
+
+    root = _root()
+    pipelines = _pipelines(root, args.pipeline, args.all)
+    for p in pipelines:  # every params error surfaces before any compute
+        _check(root, p)
+    dvc = shutil.which("dvc") or str(Path(sys.executable).with_name("dvc"))
+    for p in pipelines:
+        parent = start_parent_run(root, p, tags={"paperline.executor": "dvc repro"})
+        env = dict(os.environ)
+        if parent:
+            env[PARENT_ENV] = parent
+        cmd = [dvc, "repro", _dvcfile(root, p), *(["--force"] if args.force else [])]
+        print(f"$ {' '.join(cmd[1:])}", flush=True)
+        rc = subprocess.run(cmd, cwd=root, env=env).returncode
+        _close_parent(root, parent, rc == 0)
+        if rc != 0:
+            print(f"error: `dvc repro` of pipeline {p!r} failed (exit {rc})", file=sys.stderr)
+            return rc
+        update_readme(root, p)
+    for p in pipelines:
+        print(f"\n## Results: {p}\n")
+        print(results_table(root, p))
+    return 0
+
+
+def _close_parent(root: Path, parent: str | None, ok: bool) -> None:
+    """End the parent run; a run with no stage underneath (everything up to date) is removed."""
+    from stages.core.tracking import end_parent_run
+
+    if not parent:
+        return
+    end_parent_run(root, parent, ok)
+    try:
+        from mlflow import MlflowClient
+
+        client = MlflowClient()
+        run = client.get_run(parent)
+        children = client.search_runs([run.info.experiment_id],
+                                      filter_string=f"tags.mlflow.parentRunId = '{parent}'",
+                                      max_results=1)
+        if not children and ok:
+            client.delete_run(parent)
+    except Exception as exc:  # tracking must never fail a finished pipeline
+        logging.getLogger("paperline").warning("could not tidy parent run: %s", exc)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from flows.runner import run_pipeline
+
+    root = _root()
+    pipeline = _pipelines(root, args.pipeline, False)[0]
+    _check(root, pipeline)
+    summary = run_pipeline(root, pipeline, targets=args.stage or None,
+                           max_parallel=args.max_parallel, retries=args.retries, force=args.force)
+    failed = [s for s, v in summary.items() if isinstance(v, dict) and v.get("state") == "failed"]
+    return 1 if failed else 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from flows.results import compare
+
+    root = _root()
+    table, written = compare(root, _pipelines(root, args.pipeline, False)[0])
+    print(table)
+    print("saved: " + ", ".join(str(p.relative_to(root)) for p in written))
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from flows.results import update_readme
+
+    root = _root()
+    for p in _pipelines(root, args.pipeline, not args.pipeline):
+        print(f"updated {update_readme(root, p).relative_to(root)}")
+    return 0
+
+
+def cmd_deploy(args: argparse.Namespace) -> int:
+    from flows.deploy import deploy_all
+
+    for name in deploy_all(_root(), work_pool=args.work_pool):
+        print(f"deployed {name}")
+    return 0
+
+
+def cmd_stack(args: argparse.Namespace) -> int:
+    from flows import stack
+
+    root = _root()
+    if args.action == "up":
+        stack.up(root)
+    elif args.action == "down":
+        stack.down(root)
+    else:
+        status = stack.status(root)
+        for name, info in status.items():
+            print(f"{name:<10} {info}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="paperline", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    sub.add_parser("list", help="pipelines and their stages").set_defaults(func=cmd_list)
+
+    p = sub.add_parser("check", help="validate params of a pipeline (or --all)")
+    p.add_argument("pipeline", nargs="?")
+    p.add_argument("--all", action="store_true")
+    p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("repro", help="sequential dvc repro under one MLflow parent run")
+    p.add_argument("pipeline", nargs="?")
+    p.add_argument("--all", action="store_true", help="every pipeline")
+    p.add_argument("--force", action="store_true", help="dvc repro --force")
+    p.set_defaults(func=cmd_repro)
+
+    p = sub.add_parser("run", help="run a pipeline's DAG through Prefect")
+    p.add_argument("pipeline")
+    p.add_argument("--stage", action="append", help="only this stage and its upstream (repeatable)")
+    p.add_argument("--max-parallel", type=int, default=2)
+    p.add_argument("--retries", type=int, default=1)
+    p.add_argument("--force", action="store_true")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("compare", help="registered models and runs side by side")
+    p.add_argument("pipeline")
+    p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("report", help="regenerate README results tables from metrics")
+    p.add_argument("pipeline", nargs="?")
+    p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("deploy", help="create a Prefect deployment per pipeline")
+    p.add_argument("--work-pool", default="paperline-cpu")
+    p.set_defaults(func=cmd_deploy)
+
+    p = sub.add_parser("stack", help="local Prefect server, worker and MLflow server")
+    p.add_argument("action", choices=["up", "down", "status"])
+    p.set_defaults(func=cmd_stack)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ParamsError, UnknownNameError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

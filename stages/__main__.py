@@ -1,0 +1,33 @@
+"""The one entry point of every dvc.yaml `cmd`: `python -m stages <pipeline> <stage>`.
+
+It finds the repo, loads and validates the params of every stage of the pipeline (so a typo
+anywhere fails before any compute), runs the stage inside an MLflow child run, and writes the
+returned metrics atomically to `<paths.metrics>/<stage>.json` for DVC.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from stages.core.config import ParamsError, UnknownNameError
+from stages.core.runner import run_stage
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m stages", description=__doc__)
+    parser.add_argument("pipeline")
+    parser.add_argument("stage")
+    parser.add_argument("--check", action="store_true",
+                        help="validate params of the whole pipeline and exit, computing nothing")
+    args = parser.parse_args(argv)
+    try:
+        run_stage(args.pipeline, args.stage, check_only=args.check)
+    except (ParamsError, UnknownNameError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

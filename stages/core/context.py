@@ -1,0 +1,44 @@
+"""What a stage's `run(cfg, ctx)` receives besides its config: where things are and how to log."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .config import did_you_mean
+
+log = logging.getLogger("paperline")
+
+
+@dataclass
+class Context:
+    root: Path                      # repo root (folder with .dvc/ and the root params.yaml)
+    pipeline: str                   # pipeline name, e.g. "base", "bis"
+    stage: str                      # stage name as in dvc.yaml, e.g. "tasks"
+    pipeline_dir: Path              # folder of the pipeline's dvc.yaml (the root for "base")
+    profile: str                    # smoke | cpu | gpu
+    seed: int
+    paths: dict[str, Path]          # every declared path, absolute (root paths + pipeline paths)
+    params: dict[str, Any] = field(default_factory=dict)  # merged params, read-only
+    tracker: Any = None             # stages.core.tracking.StageTracker (no-op when tracking is off)
+
+    def path(self, name: str) -> Path:
+        """A declared path by name; an unknown name is an error with a suggestion."""
+        if name not in self.paths:
+            raise did_you_mean(name, self.paths, "path (declared under `paths:` in params)")
+        return self.paths[name]
+
+    @property
+    def metrics_path(self) -> Path:
+        """Where the stage's returned metrics land for DVC: `<paths.metrics>/<stage>.json`."""
+        return self.path("metrics") / f"{self.stage}.json"
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        if self.tracker is not None:
+            self.tracker.log_metrics(metrics, step=step)
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        if self.tracker is not None:
+            self.tracker.log_params(params)

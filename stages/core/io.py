@@ -1,0 +1,96 @@
+"""Atomic writes: every output is written to a temporary sibling and renamed into place.
+
+A stage killed mid-run therefore leaves either the previous output or nothing, never a
+half-written file. `os.replace` is atomic on POSIX within one filesystem, which is why the
+temporary path is a sibling of the target and not in /tmp.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, Iterator
+
+
+def _tmp_sibling(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    elif path.exists() or path.is_symlink():
+        path.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike[str], *, is_dir: bool = False) -> Iterator[Path]:
+    """Yield a temporary path to write into; on success it replaces `path`, on error it is removed.
+
+    For directories (`is_dir=True`) the yielded path is an empty directory; the old directory, if
+    any, is swapped out and deleted only after the new one is in place.
+    """
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _tmp_sibling(target)
+    if is_dir:
+        tmp.mkdir()
+    try:
+        yield tmp
+        if is_dir:
+            old = None
+            if target.exists():
+                old = _tmp_sibling(target)
+                os.replace(target, old)
+            os.replace(tmp, target)
+            if old is not None:
+                _remove(old)
+        else:
+            if not tmp.exists():
+                raise FileNotFoundError(f"nothing was written to {tmp} for {target}")
+            os.replace(tmp, target)
+    except BaseException:
+        _remove(tmp)
+        raise
+
+
+def write_text(path: str | os.PathLike[str], text: str) -> Path:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
+    return Path(path)
+
+
+def write_json(path: str | os.PathLike[str], data: Any) -> Path:
+    return write_text(path, json.dumps(data, indent=2, sort_keys=True, default=_json_default) + "\n")
+
+
+def _json_default(value: Any) -> Any:
+    if hasattr(value, "item"):  # numpy / torch scalars
+        return value.item()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def write_parquet(path: str | os.PathLike[str], df: Any) -> Path:
+    """Write a polars DataFrame as parquet, atomically."""
+    with atomic_path(path) as tmp:
+        df.write_parquet(tmp)
+    return Path(path)
+
+
+def clean_stale_tmp(directory: str | os.PathLike[str]) -> int:
+    """Remove temporaries left by a killed process (they start with '.' and contain '.tmp-')."""
+    removed = 0
+    d = Path(directory)
+    if not d.is_dir():
+        return 0
+    for p in d.iterdir():
+        if p.name.startswith(".") and ".tmp-" in p.name:
+            _remove(p)
+            removed += 1
+    return removed

@@ -1,0 +1,137 @@
+"""Run one stage under the contract: resolve names, validate params, track, write metrics."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from . import io
+from .config import (
+    ParamsError,
+    active_profile,
+    did_you_mean,
+    find_root,
+    read_yaml,
+    resolve_paths,
+    validate_section,
+)
+from .context import Context
+
+log = logging.getLogger("paperline")
+
+
+def pipeline_dirs(root: Path) -> dict[str, Path]:
+    """Pipelines: 'base' (the root dvc.yaml) and every `pipelines/<slug>/` holding a dvc.yaml."""
+    found = {"base": root}
+    pdir = root / "pipelines"
+    if pdir.is_dir():
+        for d in sorted(pdir.iterdir()):
+            if (d / "dvc.yaml").is_file() and d.name != "base":
+                found[d.name] = d
+    return found
+
+
+def pipeline_dir(root: Path, pipeline: str) -> Path:
+    dirs = pipeline_dirs(root)
+    if pipeline not in dirs:
+        raise did_you_mean(pipeline, dirs, "pipeline")
+    return dirs[pipeline]
+
+
+def stage_modules(pipeline: str) -> dict[str, str]:
+    from stages.registry import STAGES
+
+    if pipeline not in STAGES:
+        raise did_you_mean(pipeline, STAGES, "pipeline")
+    return STAGES[pipeline]
+
+
+def load_module(pipeline: str, stage: str) -> ModuleType:
+    modules = stage_modules(pipeline)
+    if stage not in modules:
+        raise did_you_mean(stage, modules, f"stage of pipeline {pipeline!r}")
+    return importlib.import_module(modules[stage])
+
+
+def load_params(root: Path, pipeline: str) -> tuple[dict[str, Any], dict[str, Any], str]:
+    """(root params, pipeline params merged over root params, source label)."""
+    root_params = read_yaml(root / "params.yaml")
+    pdir = pipeline_dir(root, pipeline)
+    if pdir == root:
+        return root_params, root_params, "params.yaml"
+    own = read_yaml(pdir / "params.yaml") if (pdir / "params.yaml").is_file() else {}
+    merged = dict(root_params)
+    for key, value in own.items():
+        if key == "paths":
+            continue  # pipeline paths are resolved against the pipeline folder, below
+        merged[key] = value
+    return root_params, merged, str((pdir / "params.yaml").relative_to(root))
+
+
+def build_context(root: Path, pipeline: str, stage: str) -> tuple[Context, dict[str, Any], str]:
+    root_params, params, source = load_params(root, pipeline)
+    profile = active_profile(root_params)
+    seed = root_params.get("seed", 0)
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise ParamsError(f"params.yaml: seed = {seed!r}: expected a non-negative integer")
+    pdir = pipeline_dir(root, pipeline)
+    paths = resolve_paths(root_params.get("paths", {}), root, "params.yaml")
+    if pdir != root and (pdir / "params.yaml").is_file():
+        own = read_yaml(pdir / "params.yaml").get("paths", {})
+        clash = set(own) & set(paths)
+        if clash:
+            raise ParamsError(f"{source}: paths {sorted(clash)} already declared in params.yaml")
+        paths.update(resolve_paths(own, pdir, source))
+    if "metrics" not in paths:
+        raise ParamsError(f"{source}: paths.metrics is missing: the folder for stage metrics")
+    ctx = Context(root=root, pipeline=pipeline, stage=stage, pipeline_dir=pdir, profile=profile,
+                  seed=seed, paths=paths, params=params)
+    return ctx, params, source
+
+
+def validate_pipeline(pipeline: str, params: dict[str, Any], profile: str, source: str) -> dict:
+    """Validate every stage's section of the pipeline; returns stage -> config."""
+    configs = {}
+    errors = []
+    for name in stage_modules(pipeline):
+        module = load_module(pipeline, name)
+        try:
+            configs[name] = validate_section(module.Config, params, name, profile, source)
+        except ParamsError as exc:
+            errors.append(str(exc))
+    if errors:
+        raise ParamsError("\n".join(errors))
+    return configs
+
+
+def run_stage(pipeline: str, stage: str, *, check_only: bool = False,
+              root: Path | None = None) -> dict[str, float]:
+    root = root or find_root()
+    module = load_module(pipeline, stage)  # unknown names fail here, with a suggestion
+    ctx, params, source = build_context(root, pipeline, stage)
+    configs = validate_pipeline(pipeline, params, ctx.profile, source)
+    cfg = configs[stage]
+    if check_only:
+        print(f"{pipeline}: params of {len(configs)} stages are valid (profile {ctx.profile})")
+        return {}
+
+    from .tracking import StageTracker
+
+    started = time.time()
+    with StageTracker(ctx, cfg) as tracker:
+        ctx.tracker = tracker
+        metrics = module.run(cfg, ctx) or {}
+        metrics = {k: float(v) for k, v in metrics.items()}
+        io.write_json(ctx.metrics_path, metrics)
+        tracker.log_metrics({**metrics, "stage_seconds": time.time() - started})
+    log.info("%s/%s done in %.1fs: %s", pipeline, stage, time.time() - started, metrics)
+    return metrics
+
+
+def repo_root() -> Path:
+    return find_root(os.environ.get("PAPERLINE_ROOT") or None)

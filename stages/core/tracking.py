@@ -1,0 +1,311 @@
+"""MLflow tracking for stages: one experiment per pipeline, a child run per stage.
+
+- Tracking URI: `MLFLOW_TRACKING_URI` if set, else an embedded SQLite database inside the repo
+  (`.paperline/mlflow/mlflow.db`, artifacts beside it; ignored by git).
+- The parent run (one per pipeline execution) is created by `paperline run|repro` and handed to
+  stage processes in `PAPERLINE_PARENT_RUN_ID` (deliberately not `MLFLOW_RUN_ID`, which would make
+  every stage log into the parent itself). A plain `dvc repro` has no parent: stages log
+  top-level runs.
+- Each stage run is tagged with `dvc.stage_key`: the hash of the stage's command, dependency
+  contents and params, i.e. what DVC's run-cache keys on. A stage that DVC restores from its cache
+  never runs, so it logs nothing and creates no duplicate.
+- A tracking failure never loses a finished stage's outputs: errors are logged as warnings and the
+  stage carries on (the gap is reported in the stage log and in the metrics as `tracking_ok = 0`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("paperline.tracking")
+
+PARENT_ENV = "PAPERLINE_PARENT_RUN_ID"
+FLOW_RUN_ENV = "PAPERLINE_FLOW_RUN_ID"
+
+
+def tracking_uri(root: Path) -> str:
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if uri:
+        return uri
+    db = root / ".paperline" / "mlflow" / "mlflow.db"
+    db.parent.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{db}"
+
+
+def configure(root: Path) -> str:
+    """Point MLflow at the project's tracking store; returns the URI."""
+    import mlflow
+
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    uri = tracking_uri(root)
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(uri)
+    return uri
+
+
+def experiment_id(root: Path, pipeline: str) -> str:
+    """Get or create the pipeline's experiment (artifacts inside the repo for the local store)."""
+    import mlflow
+
+    exp = mlflow.get_experiment_by_name(pipeline)
+    if exp is not None:
+        return exp.experiment_id
+    location = None
+    if not os.environ.get("MLFLOW_TRACKING_URI"):
+        art = root / ".paperline" / "mlflow" / "artifacts" / pipeline
+        art.mkdir(parents=True, exist_ok=True)
+        location = art.as_uri()
+    try:
+        return mlflow.create_experiment(pipeline, artifact_location=location)
+    except Exception:  # created concurrently by a sibling stage
+        exp = mlflow.get_experiment_by_name(pipeline)
+        if exp is None:
+            raise
+        return exp.experiment_id
+
+
+def git_commit(root: Path) -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
+                             text=True, timeout=10)
+        return out.stdout.strip() if out.returncode == 0 else "unknown"
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+
+
+def _hash_path(path: Path, h: "hashlib._Hash") -> None:
+    if path.is_dir():
+        for p in sorted(path.rglob("*")):
+            if p.is_file() and ".tmp-" not in p.name:
+                h.update(str(p.relative_to(path)).encode())
+                h.update(hashlib.md5(p.read_bytes()).digest())
+    elif path.is_file():
+        h.update(hashlib.md5(path.read_bytes()).digest())
+    else:
+        h.update(b"<missing>")
+
+
+def model_fingerprint(model_dir: Path) -> str:
+    """Content hash of a saved model folder (weights, config, tokenizer files)."""
+    h = hashlib.sha256()
+    _hash_path(Path(model_dir), h)
+    return h.hexdigest()[:32]
+
+
+def stage_key(ctx: Any, cfg: Any) -> str:
+    """Hash of what determines the stage's outputs: its code, declared inputs and params.
+
+    Read from the stage's own dvc.yaml entry (deps resolved by DVC's templating), so it changes
+    exactly when DVC would rerun the stage.
+    """
+    h = hashlib.sha256()
+    h.update(f"{ctx.pipeline}/{ctx.stage}/{ctx.profile}/{ctx.seed}".encode())
+    h.update(json.dumps(cfg.model_dump(mode="json"), sort_keys=True).encode())
+    for dep in stage_deps(ctx):
+        h.update(str(dep.relative_to(ctx.root) if dep.is_relative_to(ctx.root) else dep).encode())
+        _hash_path(dep, h)
+    return h.hexdigest()[:32]
+
+
+def stage_deps(ctx: Any) -> list[Path]:
+    """The stage's `deps` as DVC resolves them (templated paths), absolute."""
+    try:
+        from dvc.parsing import DataResolver  # noqa: F401  (DVC's own templating)
+        from dvc.repo import Repo
+
+        with Repo(str(ctx.root), uninitialized=False) as repo:
+            dvcfile = ctx.pipeline_dir / "dvc.yaml"
+            rel = dvcfile.relative_to(ctx.root)
+            stages = repo.stage.collect(f"{rel}:{ctx.stage}")
+            deps = []
+            for st in stages:
+                deps.extend(Path(d.fs_path) for d in st.deps)
+            return sorted(set(deps))
+    except Exception as exc:  # never block a stage on key computation
+        log.debug("could not read deps of %s from DVC: %s", ctx.stage, exc)
+        return []
+
+
+class StageTracker:
+    """Context manager around one stage's MLflow child run; every call is failure-tolerant."""
+
+    def __init__(self, ctx: Any, cfg: Any):
+        self.ctx = ctx
+        self.cfg = cfg
+        self.run_id: str | None = None
+        self.ok = True
+        self._mlflow = None
+
+    def _fail(self, what: str, exc: BaseException) -> None:
+        if self.ok:
+            log.warning("MLflow tracking unavailable (%s): %s; outputs are still written", what, exc)
+        self.ok = False
+
+    def __enter__(self) -> "StageTracker":
+        if os.environ.get("PAPERLINE_TRACKING", "on") == "off":
+            self.ok = False
+            return self
+        try:
+            import mlflow
+
+            configure(self.ctx.root)
+            exp_id = experiment_id(self.ctx.root, self.ctx.pipeline)
+            tags = {
+                "paperline.pipeline": self.ctx.pipeline,
+                "paperline.stage": self.ctx.stage,
+                "paperline.profile": self.ctx.profile,
+                "paperline.seed": str(self.ctx.seed),
+                "dvc.stage_key": stage_key(self.ctx, self.cfg),
+                "git.commit": git_commit(self.ctx.root),
+            }
+            parent = os.environ.get(PARENT_ENV)
+            if parent:
+                tags["mlflow.parentRunId"] = parent
+            if os.environ.get(FLOW_RUN_ENV):
+                tags["prefect.flow_run_id"] = os.environ[FLOW_RUN_ENV]
+            os.environ.setdefault("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "2")
+            run = mlflow.start_run(experiment_id=exp_id, run_name=self.ctx.stage, tags=tags,
+                                   log_system_metrics=True)
+            self.run_id = run.info.run_id
+            self._mlflow = mlflow
+            flat = _flatten(self.cfg.model_dump(mode="json"))
+            flat.update({"profile": self.ctx.profile, "seed": self.ctx.seed})
+            mlflow.log_params({k: str(v)[:500] for k, v in flat.items()})
+        except Exception as exc:
+            self._fail("start", exc)
+        return self
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        if not (self.ok and self._mlflow):
+            return
+        try:
+            self._mlflow.log_metrics({k: float(v) for k, v in metrics.items()}, step=step)
+        except Exception as exc:
+            self._fail("log_metrics", exc)
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        if not (self.ok and self._mlflow):
+            return
+        try:
+            self._mlflow.log_params({k: str(v)[:500] for k, v in _flatten(params).items()})
+        except Exception as exc:
+            self._fail("log_params", exc)
+
+    def log_artifacts(self, local_dir: Path, artifact_path: str) -> None:
+        if not (self.ok and self._mlflow):
+            return
+        try:
+            self._mlflow.log_artifacts(str(local_dir), artifact_path)
+        except Exception as exc:
+            self._fail("log_artifacts", exc)
+
+    def register_model(self, local_dir: Path, name: str, aliases: list[str],
+                       tags: dict[str, str] | None = None) -> str | None:
+        """Log a Hugging Face model folder and register it as a new version of `name`.
+
+        The artifact is the `save_pretrained` folder itself, so `models:/<name>@<alias>` downloads
+        to a folder that `from_pretrained` loads.
+        """
+        if not (self.ok and self._mlflow):
+            return None
+        try:
+            from mlflow import MlflowClient
+
+            self._mlflow.log_artifacts(str(local_dir), "model")
+            client = MlflowClient()
+            tags = {**(tags or {}), "paperline.model_sha": model_fingerprint(Path(local_dir)),
+                    "paperline.pipeline": self.ctx.pipeline, "paperline.profile": self.ctx.profile,
+                    "paperline.seed": str(self.ctx.seed)}
+            try:
+                client.create_registered_model(name)
+            except Exception:
+                pass  # exists already
+            source = f"{self._mlflow.get_artifact_uri('model')}"
+            version = client.create_model_version(name, source=source, run_id=self.run_id,
+                                                  tags=tags)
+            for alias in aliases:
+                client.set_registered_model_alias(name, alias, version.version)
+            self._mlflow.set_tag(f"paperline.registered.{name}", version.version)
+            return version.version
+        except Exception as exc:
+            self._fail("register_model", exc)
+            return None
+
+    def annotate_model(self, local_dir: Path, metrics: dict[str, float]) -> int:
+        """Tag every registered version whose weights equal `local_dir` with `metric.<k>` values.
+
+        This is how an evaluation stage attaches its scores to the model in the registry, so the
+        MLflow UI and `paperline compare` show them side by side. Returns the versions tagged.
+        """
+        if not (self.ok and self._mlflow):
+            return 0
+        try:
+            from mlflow import MlflowClient
+
+            client = MlflowClient()
+            sha = model_fingerprint(Path(local_dir))
+            versions = client.search_model_versions(f"tags.`paperline.model_sha` = '{sha}'")
+            for v in versions:
+                for k, val in metrics.items():
+                    client.set_model_version_tag(v.name, v.version, f"metric.{k}", f"{float(val):.6g}")
+            return len(versions)
+        except Exception as exc:
+            self._fail("annotate_model", exc)
+            return 0
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self._mlflow is None:
+            return
+        try:
+            self._mlflow.end_run(status="FINISHED" if exc_type is None else "FAILED")
+        except Exception as err:
+            self._fail("end_run", err)
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{key}."))
+        else:
+            out[key] = v
+    return out
+
+
+def start_parent_run(root: Path, pipeline: str, tags: dict[str, str] | None = None) -> str | None:
+    """Create the parent run of one pipeline execution; returns its id (None if tracking is down).
+
+    Pass the id to stage processes in `PAPERLINE_PARENT_RUN_ID`.
+    """
+    try:
+        from mlflow import MlflowClient
+
+        configure(root)
+        exp_id = experiment_id(root, pipeline)
+        all_tags = {"paperline.pipeline": pipeline, "paperline.kind": "pipeline",
+                    "git.commit": git_commit(root)}
+        all_tags.update(tags or {})
+        run = MlflowClient().create_run(exp_id, tags=all_tags, run_name=f"{pipeline}-pipeline")
+        return run.info.run_id
+    except Exception as exc:
+        log.warning("MLflow tracking unavailable (parent run): %s", exc)
+        return None
+
+
+def end_parent_run(root: Path, run_id: str | None, ok: bool) -> None:
+    if not run_id:
+        return
+    try:
+        from mlflow import MlflowClient
+
+        configure(root)
+        MlflowClient().set_terminated(run_id, status="FINISHED" if ok else "FAILED")
+    except Exception as exc:
+        log.warning("MLflow tracking unavailable (end parent run): %s", exc)

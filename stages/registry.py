@@ -1,0 +1,24 @@
+"""Which code runs each stage: a plain dict, pipeline -> stage name (as in dvc.yaml) -> module.
+
+Each module defines `Config` (a pydantic model, extra="forbid") and `run(cfg, ctx) -> dict`.
+The DAG itself lives only in dvc.yaml; this maps a stage name to its code, nothing more.
+The params section a stage reads is its stage name.
+"""
+
+from __future__ import annotations
+
+STAGES: dict[str, dict[str, str]] = {
+    # Shared stages of the root dvc.yaml; together they are the pipeline named "base".
+    "base": {
+        "tasks": "stages.tasks.build",
+        "tokenizer": "stages.models.tokenizer",
+        "base": "stages.models.base",
+        "evaluate": "stages.evaluate.accuracy",
+    },
+}
+
+# How each pipeline's README results table is rendered from its DVC metrics ("module:function"
+# taking {stage: metrics} and returning markdown). Pipelines not listed get a plain table.
+REPORTS: dict[str, str] = {
+    "base": "stages.evaluate.report:base_results_table",
+}
