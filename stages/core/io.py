@@ -83,14 +83,34 @@ def write_parquet(path: str | os.PathLike[str], df: Any) -> Path:
     return Path(path)
 
 
-def clean_stale_tmp(directory: str | os.PathLike[str]) -> int:
-    """Remove temporaries left by a killed process (they start with '.' and contain '.tmp-')."""
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_stale_tmp(directory: str | os.PathLike[str], name: str | None = None) -> int:
+    """Remove temporaries left by a killed writer: `.<name>.tmp-<pid>-<id>` whose pid is dead.
+
+    With `name`, only temporaries of that output are considered. Returns how many were removed.
+    """
     removed = 0
     d = Path(directory)
     if not d.is_dir():
         return 0
+    prefix = f".{name}.tmp-" if name else "."
     for p in d.iterdir():
-        if p.name.startswith(".") and ".tmp-" in p.name:
+        if not (p.name.startswith(prefix) and ".tmp-" in p.name):
+            continue
+        try:
+            pid = int(p.name.rsplit(".tmp-", 1)[1].split("-", 1)[0])
+        except ValueError:
+            continue
+        if not _pid_alive(pid):
             _remove(p)
             removed += 1
     return removed

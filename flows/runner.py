@@ -1,0 +1,621 @@
+"""Run a pipeline's DVC DAG through Prefect: one task per stage, independent stages in parallel.
+
+    paperline run <pipeline> [--stage S]... [--max-parallel 2] [--retries 1] [--force]
+    run_pipeline(root, "base")                      # the same, from Python
+    pipeline_flow(pipeline="base")                  # the Prefect flow (deployments call this)
+
+The DAG is read from DVC (`dvc.repo.Repo`, the stages of the pipeline's dvc.yaml plus every
+upstream stage they depend on, e.g. the shared stages of the root dvc.yaml); nothing is declared
+twice. Whether a stage must run is DVC's own change detection (`Stage.changed()`), taken once at
+the start: a stage that is unchanged, and whose upstream stages are all unchanged, is reported
+`skipped` and starts no process.
+
+Why workspaces. DVC holds a repo lock and rewrites dvc.lock, so two `dvc repro` cannot share one
+workspace. Each running stage therefore gets its own workspace, `.paperline/workspaces/<n>`: a
+copy of the repo's source files (`git ls-files -co --exclude-standard` + `.dvc/config`, never
+outputs or .venv), re-synced before every stage, whose `.dvc/config.local` points `cache.dir` at
+the main repo's cache. There `dvc repro <dvc.yaml>:<stage>` restores the upstream stages from the
+shared run-cache (they ran earlier in this flow) and computes the stage, which commits its outputs
+to the cache and its entry to the run-cache. A last `dvc repro` in the main workspace then restores
+every output from the run-cache without recomputing, so the end state (outputs and dvc.lock) is
+the one a sequential `dvc repro` gives.
+
+Run-cache rule (what dvc.yaml files must follow so nothing is computed twice): a stage is
+run-cacheable only when it has a `cmd`, at least one dep and at least one out (metrics/plots
+count), all local paths inside the repo, no `persist: true` out and no `always_changed: true`.
+`cache: false` outs (metrics JSON) ARE saved in and restored from the run-cache. A stage that
+breaks the rule still runs correctly here but is computed a second time by the final `dvc repro`
+(a warning names it).
+
+Resources. `meta: {gpus: N}` on a stage makes it hold N slots of the Prefect global concurrency
+limit `paperline-gpu` (created, active, with `gpu_slots` slots, default `PAPERLINE_GPU_SLOTS` or 1)
+while it runs, so GPU stages never oversubscribe the GPUs of this machine. A GPU stage waits for
+its GPU slots before it takes a workspace, and the thread pool has room for every waiting GPU
+stage, so CPU stages never queue behind GPU stages. `max_parallel` bounds the stage processes
+running at once (the workspaces in use). Routing a GPU stage to a separate GPU work pool is the job
+of `route_stage()` (today: always this process).
+
+Tracking. One MLflow parent run per execution (`start_parent_run`, tags `prefect.flow_run_id`,
+`paperline.profile`); every stage process gets `PAPERLINE_PARENT_RUN_ID`, `PAPERLINE_FLOW_RUN_ID`
+and an explicit `MLFLOW_TRACKING_URI` (the main repo's store: a workspace must not log into a store
+of its own). Prefect result caching is off (`NO_CACHE`, no persisted results): DVC is the only cache.
+
+`force=True` recomputes every stage of the plan in the workspaces. The final `dvc repro` in the
+main workspace keeps DVC's change detection: where the main workspace was already up to date it
+keeps its outputs (identical for deterministic stages).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from stages.core.config import did_you_mean, find_root, read_yaml
+
+GPU_LIMIT = "paperline-gpu"
+WORKSPACES = Path(".paperline") / "workspaces"
+MANIFEST = ".paperline-synced.json"
+
+
+@dataclass
+class StagePlan:
+    """One DVC stage as the flow schedules it."""
+
+    name: str                  # display / task run name: stage name, `<pipeline>:<stage>` if upstream
+    target: str                # what `dvc repro` takes: `<dvc.yaml relpath>:<stage name>`
+    addressing: str            # how DVC names it in its own messages
+    upstream: list[str]        # targets of the direct upstream stages within the plan
+    action: str                # "run" (changed, or downstream of a change) | "skip"
+    gpus: int = 0
+    run_cacheable: bool = True
+
+
+class RunSummary(dict):
+    """stage name -> {"state": ran|restored|skipped|failed|blocked, "seconds": float}, plus the
+    Prefect flow run id, the MLflow parent run id and the wall time as attributes."""
+
+    def __init__(self, stages: dict[str, dict[str, Any]], flow_run_id: str | None = None,
+                 parent_run_id: str | None = None, seconds: float = 0.0):
+        super().__init__(stages)
+        self.flow_run_id = flow_run_id
+        self.parent_run_id = parent_run_id
+        self.seconds = seconds
+
+
+class PipelineFailed(RuntimeError):
+    def __init__(self, message: str, summary: dict[str, Any]):
+        super().__init__(message)
+        self.summary = summary
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan: read from DVC
+
+
+def dvcfile_of(root: Path, pipeline: str) -> str:
+    from stages.core.runner import pipeline_dir
+
+    return str((pipeline_dir(root, pipeline) / "dvc.yaml").relative_to(root))
+
+
+def _display_name(root: Path, stage: Any, own_dvcfile: str) -> str:
+    rel = str(Path(stage.path).relative_to(root))
+    if rel == own_dvcfile:
+        return stage.name
+    parent = Path(rel).parent
+    owner = "base" if parent == Path(".") else parent.name
+    return f"{owner}:{stage.name}"
+
+
+def _can_run_cache(stage: Any) -> bool:
+    from dvc.stage.cache import _can_hash  # DVC's own rule (see the module docstring)
+
+    try:
+        return bool(_can_hash(stage))
+    except Exception:
+        return False
+
+
+def load_plan(root: Path, pipeline: str, targets: list[str] | None = None,
+              force: bool = False) -> list[StagePlan]:
+    """The stages to execute, dependencies first, with DVC's verdict on what changed."""
+    import networkx as nx
+    from dvc.repo import Repo
+
+    root = Path(root).resolve()
+    dvcfile = dvcfile_of(root, pipeline)  # unknown pipeline: 'did you mean'
+    with Repo(str(root)) as repo:
+        own = repo.stage.collect(dvcfile)
+        names = {s.name for s in own}
+        selected: set[Any] = set()
+        for t in targets or [None]:
+            if t is not None and t not in names:
+                raise did_you_mean(t, names, f"stage of pipeline {pipeline!r}")
+            spec = dvcfile if t is None else f"{dvcfile}:{t}"
+            selected.update(repo.stage.collect(spec, with_deps=True))
+        graph = repo.index.graph.subgraph(selected)  # edges: stage -> its dependency
+        # dependencies first; ties in name order, so runs list stages the same way every time
+        order = list(nx.lexicographical_topological_sort(graph.reverse(copy=False),
+                                                         key=lambda s: s.addressing))
+        with repo.lock:
+            changed = {s: (not s.frozen and s.changed()) for s in order}
+
+        def target(s: Any) -> str:
+            return f"{Path(s.path).relative_to(root)}:{s.name}"
+
+        plan: list[StagePlan] = []
+        runs: set[Any] = set()
+        for s in order:
+            ups = list(graph.successors(s))
+            if not s.frozen and (force or changed[s] or any(u in runs for u in ups)):
+                runs.add(s)
+            gpus = int((s.meta or {}).get("gpus", 0) or 0) if isinstance(s.meta, dict) else 0
+            plan.append(StagePlan(
+                name=_display_name(root, s, dvcfile), target=target(s), addressing=s.addressing,
+                upstream=sorted(target(u) for u in ups), action="run" if s in runs else "skip",
+                gpus=gpus, run_cacheable=_can_run_cache(s)))
+    return plan
+
+
+def route_stage(stage: StagePlan) -> str:
+    """Where a stage runs. Hook for GPU work pools: return a deployment/pool name for stages with
+    `stage.gpus > 0` and dispatch them with `prefect.deployments.run_deployment` in `_stage_task`.
+    Today every stage runs in this flow's process, GPU stages under the `paperline-gpu` limit."""
+    return "local"
+
+
+# ---------------------------------------------------------------------------------------------
+# Workspaces
+
+
+def source_files(root: Path, plan_outs: set[str]) -> list[str]:
+    """Relative paths of the repo's source files: what a fresh clone has, minus stage outputs."""
+    root = Path(root)
+    files: list[str] | None = None
+    if shutil.which("git") and (root / ".git").exists():
+        proc = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=root,
+                              capture_output=True, timeout=60)
+        if proc.returncode == 0:
+            files = [f for f in proc.stdout.decode().split("\0") if f]
+    if files is None:  # not a git checkout: walk, skipping what git would ignore here
+        skip_dirs = {".git", ".venv", ".paperline", "__pycache__", ".pytest_cache"}
+        files = []
+        for dirpath, dirnames, filenames in os.walk(root):
+            rel = Path(dirpath).relative_to(root)
+            dirnames[:] = [d for d in dirnames if d not in skip_dirs
+                           and not (rel == Path(".") and d == ".dvc")]
+            files.extend(str(rel / f) for f in filenames)
+    files.append(".dvc/config")
+
+    def is_out(f: str) -> bool:
+        return any(f == o or f.startswith(o + "/") for o in plan_outs)
+
+    keep = []
+    for f in dict.fromkeys(files):
+        if f.startswith((".paperline/", ".dvc/cache/", ".dvc/tmp/")) or f == ".dvc/config.local":
+            continue
+        if is_out(f) or not (root / f).is_file():
+            continue
+        keep.append(f)
+    return keep
+
+
+def repo_outs(root: Path) -> set[str]:
+    from dvc.repo import Repo
+
+    with Repo(str(root)) as repo:
+        return {str(Path(o.fs_path).relative_to(root)) for o in repo.index.outs
+                if Path(o.fs_path).is_relative_to(root)}
+
+
+def sync_workspace(root: Path, ws: Path, files: list[str], cache_dir: str) -> int:
+    """Make `ws` hold exactly `files` of `root` (copies, never links); returns files copied."""
+    ws.mkdir(parents=True, exist_ok=True)
+    copied = 0
+    for rel in files:
+        src, dst = root / rel, ws / rel
+        st = src.stat()
+        try:
+            dt = dst.stat()
+            if dt.st_size == st.st_size and dt.st_mtime_ns == st.st_mtime_ns:
+                continue
+        except FileNotFoundError:
+            pass
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, dst)
+        copied += 1
+    manifest = ws / MANIFEST
+    if manifest.is_file():  # a source file deleted in root is deleted here too
+        for rel in set(json.loads(manifest.read_text())) - set(files):
+            with contextlib.suppress(FileNotFoundError):
+                (ws / rel).unlink()
+    manifest.write_text(json.dumps(files))
+    local = ws / ".dvc" / "config.local"
+    text = ("[core]\n    no_scm = true\n    check_update = false\n"
+            f"[cache]\n    dir = {cache_dir}\n")
+    if not local.is_file() or local.read_text() != text:
+        local.parent.mkdir(parents=True, exist_ok=True)
+        local.write_text(text)
+    return copied
+
+
+class WorkspacePool:
+    """At most `size` workspaces in use by this run; each one file-locked while in use, so two
+    runs on the same repo never share one (a busy one is skipped for the next free index)."""
+
+    def __init__(self, root: Path, size: int):
+        self.base = Path(root) / WORKSPACES
+        self.base.mkdir(parents=True, exist_ok=True)
+        (self.base / ".gitignore").write_text("*\n")
+        self._sem = threading.BoundedSemaphore(size)
+        self._mutex = threading.Lock()
+
+    @contextlib.contextmanager
+    def slot(self) -> Iterator[Path]:
+        with self._sem:
+            with self._mutex:
+                n = 0
+                while True:
+                    fh = open(self.base / f"{n}.lock", "w")
+                    try:
+                        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        break
+                    except BlockingIOError:
+                        fh.close()
+                        n += 1
+            try:
+                yield self.base / str(n)
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+                fh.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage processes
+
+
+def dvc_executable() -> str:
+    here = Path(sys.executable).with_name("dvc")
+    return str(here) if here.exists() else (shutil.which("dvc") or "dvc")
+
+
+def _stream(cmd: list[str], cwd: Path, env: dict[str, str], logger: Any,
+            progress_every: float = 2.0) -> tuple[int, list[str]]:
+    """Run `cmd`, sending each output line (stdout and stderr) to `logger` as it comes.
+
+    Carriage-return updates (progress bars) are forwarded at most every `progress_every` s.
+    """
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    assert proc.stdout is not None
+    fd = proc.stdout.fileno()
+    lines: list[str] = []
+    buf = b""
+    last_progress = 0.0
+    pending_progress: str | None = None
+    while True:
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            break
+        buf += chunk
+        while True:
+            cut = min((i for i in (buf.find(b"\n"), buf.find(b"\r")) if i >= 0), default=-1)
+            if cut < 0:
+                break
+            piece, sep, buf = buf[:cut], buf[cut:cut + 1], buf[cut + 1:]
+            text = piece.decode(errors="replace").rstrip()
+            if not text:
+                continue
+            if sep == b"\r":
+                pending_progress = text
+                if time.monotonic() - last_progress >= progress_every:
+                    logger.info(text)
+                    last_progress, pending_progress = time.monotonic(), None
+            else:
+                if pending_progress is not None and text != pending_progress:
+                    pending_progress = None
+                logger.info(text)
+                lines.append(text)
+    if buf.strip():
+        logger.info(buf.decode(errors="replace").rstrip())
+        lines.append(buf.decode(errors="replace").rstrip())
+    return proc.wait(), lines
+
+
+def outcome_of(lines: list[str], addressing: str) -> str:
+    """ran | restored | unchanged, from DVC's own messages about the stage."""
+    for line in lines:
+        if line.startswith(f"Running stage '{addressing}'"):
+            return "ran"
+        if line.startswith(f"Stage '{addressing}' is cached"):
+            return "restored"
+    return "unchanged"
+
+
+@dataclass
+class _Run:
+    """What every stage task of one flow run shares (kept out of Prefect task parameters)."""
+
+    root: Path
+    env: dict[str, str]
+    pool: WorkspacePool
+    files: list[str]
+    cache_dir: str
+    force: bool
+    stages: dict[str, StagePlan] = field(default_factory=dict)
+
+
+_RUNS: dict[str, _Run] = {}
+
+
+def _stage_env(run: _Run, ws: Path) -> dict[str, str]:
+    # the workspace's code runs (what DVC hashed), stages resolve their root to the workspace
+    env = dict(run.env)
+    env["PAPERLINE_ROOT"] = str(ws)
+    env["PYTHONPATH"] = os.pathsep.join([str(ws), *filter(None, [run.env.get("PYTHONPATH")])])
+    return env
+
+
+@task(cache_policy=NO_CACHE, persist_result=False, log_prints=False)
+def _stage_task(run_key: str, target: str) -> dict[str, Any]:
+    run = _RUNS[run_key]
+    stage = run.stages[target]
+    logger = get_run_logger()
+    if stage.action == "skip":
+        logger.info("%s is up to date (DVC): skipped", stage.addressing)
+        return {"state": "skipped", "seconds": 0.0}
+    assert route_stage(stage) == "local"
+    started = time.monotonic()
+    gpu = contextlib.nullcontext()
+    if stage.gpus:
+        from prefect.concurrency.sync import concurrency
+
+        logger.info("waiting for %d slot(s) of concurrency limit %r", stage.gpus, GPU_LIMIT)
+        gpu = concurrency(GPU_LIMIT, occupy=stage.gpus, strict=True)
+    with gpu, run.pool.slot() as ws:
+        sync_workspace(run.root, ws, run.files, run.cache_dir)
+        env = _stage_env(run, ws)
+        dvc = dvc_executable()
+        logger.info("workspace %s", ws.relative_to(run.root))
+        lines: list[str] = []
+        if run.force and stage.upstream:  # upstream restored (ran earlier), the stage forced
+            rc, lines = _stream([dvc, "repro", *stage.upstream], ws, env, logger)
+            if rc != 0:
+                raise RuntimeError(f"restoring upstream of {stage.name} failed (exit {rc})")
+        cmd = [dvc, "repro", stage.target]
+        if run.force:
+            cmd += ["--force", "--single-item"]
+        rc, out = _stream(cmd, ws, env, logger)
+        lines += out
+    if rc != 0:
+        raise RuntimeError(f"stage {stage.name}: `dvc repro {stage.target}` failed (exit {rc})")
+    state = outcome_of(lines, stage.addressing)
+    return {"state": "skipped" if state == "unchanged" else state,
+            "seconds": round(time.monotonic() - started, 2)}
+
+
+@task(cache_policy=NO_CACHE, persist_result=False, task_run_name="dvc repro (main workspace)")
+def _final_repro(run_key: str, targets: list[str], single_item: bool) -> list[str]:
+    """Restore every output into the main workspace from the run-cache; returns stages that DVC
+    had to compute again here (not run-cacheable)."""
+    run = _RUNS[run_key]
+    logger = get_run_logger()
+    env = dict(run.env, PAPERLINE_ROOT=str(run.root))
+    cmd = [dvc_executable(), "repro", *targets, *(["--single-item"] if single_item else [])]
+    rc, lines = _stream(cmd, run.root, env, logger)
+    if rc != 0:
+        raise RuntimeError(f"`dvc repro` in the main workspace failed (exit {rc})")
+    return [line.split("'")[1] for line in lines if line.startswith("Running stage '")]
+
+
+# ---------------------------------------------------------------------------------------------
+# The flow
+
+
+def ensure_gpu_limit(slots: int) -> int:
+    """Create the `paperline-gpu` global concurrency limit if missing; returns its slot count."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            limit = client.read_global_concurrency_limit_by_name(GPU_LIMIT)
+            return int(limit.limit)
+        except ObjectNotFound:
+            client.create_global_concurrency_limit(
+                GlobalConcurrencyLimitCreate(name=GPU_LIMIT, limit=slots, active=True))
+            return slots
+
+
+def _profile(root: Path) -> str | None:
+    try:
+        value = read_yaml(root / "params.yaml").get("profile")
+        return None if value is None else str(value)
+    except Exception:
+        return None
+
+
+def _table(summary: dict[str, dict[str, Any]], seconds: float) -> str:
+    width = max([len(s) for s in summary] + [5])
+    rows = [f"{'stage':<{width}}  {'state':<9} {'seconds':>8}"]
+    for name, info in summary.items():
+        rows.append(f"{name:<{width}}  {info['state']:<9} {info['seconds']:>8.1f}")
+    rows.append(f"{'total':<{width}}  {'':<9} {seconds:>8.1f}")
+    return "\n".join(rows)
+
+
+def _base_env(root: Path) -> dict[str, str]:
+    from stages.core.tracking import tracking_uri
+
+    env = dict(os.environ)
+    venv_bin = str(Path(sys.executable).parent)
+    env["PATH"] = os.pathsep.join([venv_bin, env.get("PATH", "")])  # `python` in dvc.yaml cmds
+    env["MLFLOW_TRACKING_URI"] = tracking_uri(root)  # workspaces log to the MAIN repo's store
+    env.setdefault("DVC_NO_ANALYTICS", "1")
+    env.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    return env
+
+
+def _delete_if_empty(root: Path, parent: str | None) -> None:
+    """A parent run with no stage run below it (everything restored or skipped) is noise."""
+    if not parent:
+        return
+    try:
+        from mlflow import MlflowClient
+
+        from stages.core.tracking import configure
+
+        configure(root)
+        client = MlflowClient()
+        run = client.get_run(parent)
+        kids = client.search_runs([run.info.experiment_id],
+                                  filter_string=f"tags.mlflow.parentRunId = '{parent}'",
+                                  max_results=1)
+        if not kids:
+            client.delete_run(parent)
+    except Exception as exc:
+        get_run_logger().warning("could not tidy the MLflow parent run: %s", exc)
+
+
+@flow(name="paperline", persist_result=False, log_prints=False)
+def pipeline_flow(pipeline: str, root: str | None = None, targets: list[str] | None = None,
+                  max_parallel: int = 2, retries: int = 1, force: bool = False,
+                  gpu_slots: int | None = None) -> dict[str, Any]:
+    """Execute pipeline `pipeline` (a folder under pipelines/, or `base`) of the repo at `root`
+    (default: `PAPERLINE_ROOT`, else the working directory) as its DVC DAG; see module docstring."""
+    from prefect.runtime import flow_run
+    from prefect.task_runners import ThreadPoolTaskRunner
+
+    from stages.core.tracking import FLOW_RUN_ENV, PARENT_ENV, end_parent_run, start_parent_run
+
+    logger = get_run_logger()
+    started = time.monotonic()
+    repo = find_root(root or os.environ.get("PAPERLINE_ROOT") or None)
+    if max_parallel < 1:
+        raise ValueError(f"max_parallel = {max_parallel}: expected at least 1")
+    plan = load_plan(repo, pipeline, targets, force)
+    todo = [s for s in plan if s.action == "run"]
+    logger.info("pipeline %s: %d stages, %d to run, %d up to date", pipeline, len(plan),
+                len(todo), len(plan) - len(todo))
+    for s in todo:
+        if not s.run_cacheable:
+            logger.warning("stage %s is not run-cacheable (needs cmd, deps and outs, no persist, "
+                           "not always_changed): the final `dvc repro` computes it again", s.name)
+
+    gpu_stages = [s for s in todo if s.gpus]
+    if gpu_stages:
+        slots = ensure_gpu_limit(gpu_slots or int(os.environ.get("PAPERLINE_GPU_SLOTS", "1")))
+        too_big = [s.name for s in gpu_stages if s.gpus > slots]
+        if too_big:
+            raise ValueError(f"stages {too_big} ask for more GPUs than the {slots} slot(s) of "
+                             f"concurrency limit {GPU_LIMIT!r}")
+
+    flow_run_id = str(flow_run.id) if flow_run.id else None
+    env = _base_env(repo)
+    parent = None
+    if todo:
+        tags = {"prefect.flow_run_id": flow_run_id or "", "paperline.executor": "prefect"}
+        if _profile(repo):
+            tags["paperline.profile"] = _profile(repo)  # type: ignore[assignment]
+        parent = start_parent_run(repo, pipeline, tags=tags)
+        if parent:
+            env[PARENT_ENV] = parent
+    if flow_run_id:
+        env[FLOW_RUN_ENV] = flow_run_id
+
+    key = uuid.uuid4().hex
+    from dvc.repo import Repo
+
+    with Repo(str(repo)) as r:
+        cache_dir = str(Path(r.cache.local_cache_dir).resolve())
+    files = source_files(repo, repo_outs(repo)) if todo else []
+    run = _Run(root=repo, env=env, pool=WorkspacePool(repo, max_parallel), files=files,
+               cache_dir=cache_dir, force=force, stages={s.target: s for s in plan})
+    _RUNS[key] = run
+    summary: dict[str, dict[str, Any]] = {}
+    failed: list[str] = []
+    ok = False
+    try:
+        futures: dict[str, Any] = {}
+        # room for every GPU stage waiting on its limit, so CPU stages never queue behind them
+        with ThreadPoolTaskRunner(max_workers=max_parallel + len(gpu_stages)) as runner:
+            for s in plan:
+                t = _stage_task.with_options(name=s.name, task_run_name=s.name,
+                                             retries=retries, retry_delay_seconds=1)
+                futures[s.target] = runner.submit(
+                    t, {"run_key": key, "target": s.target},
+                    wait_for=[futures[u] for u in s.upstream])
+            for s in plan:
+                futures[s.target].wait()
+                state = futures[s.target].state
+                if state.is_completed():
+                    summary[s.name] = state.result()
+                elif state.is_failed() or state.is_crashed():
+                    summary[s.name] = {"state": "failed", "seconds": 0.0,
+                                       "error": str(state.message)}
+                else:  # upstream failed: never started
+                    summary[s.name] = {"state": "blocked", "seconds": 0.0}
+        failed = [n for n, v in summary.items() if v["state"] in ("failed", "blocked")]
+        done = [s for s in plan if summary[s.name]["state"] in ("ran", "restored")]
+        if done:
+            if failed:  # keep what finished: restore exactly those stages, in DAG order
+                recomputed = _final_repro(key, [s.target for s in done], True)
+            else:
+                dvcfile = dvcfile_of(repo, pipeline)
+                tgts = [f"{dvcfile}:{t}" for t in targets] if targets else [dvcfile]
+                recomputed = _final_repro(key, tgts, False)
+            for s in plan:
+                if s.addressing in recomputed:
+                    logger.warning("stage %s was computed again in the main workspace", s.name)
+                    summary[s.name]["state"] = "ran"
+        ok = not failed
+    finally:
+        _RUNS.pop(key, None)
+        end_parent_run(repo, parent, ok)
+        if ok and parent and not any(v["state"] == "ran" for v in summary.values()):
+            _delete_if_empty(repo, parent)
+    seconds = round(time.monotonic() - started, 2)
+    logger.info("pipeline %s:\n%s", pipeline, _table(summary, seconds))
+    result = {"stages": summary, "flow_run_id": flow_run_id, "parent_run_id": parent,
+              "seconds": seconds}
+    if failed:
+        raise PipelineFailed(f"pipeline {pipeline}: stages failed: {', '.join(failed)}", result)
+    return result
+
+
+def run_pipeline(root: Path, pipeline: str, *, targets: list[str] | None = None,
+                 max_parallel: int = 2, retries: int = 1, force: bool = False,
+                 gpu_slots: int | None = None) -> RunSummary:
+    """Run the Prefect flow in this process; returns stage -> {state, seconds} (never raises for
+    a failed stage: its state is `failed`, its downstream stages `blocked`).
+
+    Raises the 'did you mean' error for an unknown pipeline or stage before starting Prefect.
+    """
+    root = Path(root).resolve()
+    plan = load_plan(root, pipeline, targets)  # fail fast on unknown names, no server needed
+    del plan
+    state = pipeline_flow(pipeline=pipeline, root=str(root), targets=targets,
+                          max_parallel=max_parallel, retries=retries, force=force,
+                          gpu_slots=gpu_slots, return_state=True)
+    value = state.result(raise_on_failure=False)
+    if isinstance(value, PipelineFailed):
+        value = value.summary
+    elif isinstance(value, BaseException):
+        raise value
+    return RunSummary(value["stages"], flow_run_id=value["flow_run_id"],
+                      parent_run_id=value["parent_run_id"], seconds=value["seconds"])

@@ -1,0 +1,91 @@
+"""Shared fixtures. Tools write inside the work tree; nothing reaches a model hub."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+STATE = REPO / ".paperline" / "test-state"
+
+os.environ.setdefault("PREFECT_HOME", str(STATE / "prefect"))
+os.environ.setdefault("HF_HOME", str(STATE / "hf"))
+os.environ.setdefault("DVC_SITE_CACHE_DIR", str(STATE / "dvc-site"))
+os.environ.setdefault("MPLCONFIGDIR", str(STATE / "mpl"))
+os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
+os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+os.environ.pop("MLFLOW_TRACKING_URI", None)  # tests use the repo copy's embedded store
+# The venv's bin first, so `dvc` and `python -m stages` resolve to the project's install.
+os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+
+# What a fresh clone has: tracked and untracked-but-not-ignored files.
+_SKIP = {".git", ".venv", ".paperline", "data", "models", "metrics", "plots", "reports",
+         ".pytest_cache", ".hypothesis", "__pycache__"}
+
+
+def _git(cwd: Path, *args: str) -> None:
+    subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True,
+                   env={**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
+                        "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"})
+
+
+def copy_repo(dest: Path, profile: str = "smoke") -> Path:
+    """A fresh, committed copy of the project's sources (no outputs, no caches) at `profile`."""
+    def ignore(dirpath: str, names: list[str]) -> set[str]:
+        at_root = Path(dirpath).resolve() == REPO
+        return {n for n in names
+                if n in {"__pycache__", ".pytest_cache"} or n.endswith(".egg-info")
+                or (at_root and n in _SKIP)}
+
+    shutil.copytree(REPO, dest, ignore=ignore, symlinks=True)
+    (dest / ".dvc" / "cache").mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(dest / ".dvc" / "tmp", ignore_errors=True)
+    set_params(dest, profile=profile)
+    subprocess.run(["git", "init", "-q"], cwd=dest, check=True)
+    _git(dest, "add", "-A")
+    _git(dest, "commit", "-qm", "test copy")
+    return dest
+
+
+def set_params(repo: Path, **updates: object) -> None:
+    """Set top-level or dotted keys in the repo copy's params.yaml (comments are not kept)."""
+    path = repo / "params.yaml"
+    params = yaml.safe_load(path.read_text())
+    for dotted, value in updates.items():
+        keys = dotted.split(".")
+        node = params
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+        node[keys[-1]] = value
+    path.write_text(yaml.safe_dump(params, sort_keys=False))
+
+
+def dvc(repo: Path, *args: str, check: bool = True, timeout: int = 900) -> subprocess.CompletedProcess:
+    proc = subprocess.run([str(Path(sys.executable).parent / "dvc"), *args], cwd=repo,
+                          capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"dvc {' '.join(args)} failed ({proc.returncode}):\n"
+                             f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return proc
+
+
+@pytest.fixture(scope="session")
+def smoke_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The project copied once per session and reproduced at `smoke` (shared, read-mostly)."""
+    repo = copy_repo(tmp_path_factory.mktemp("smoke") / "repo")
+    dvc(repo, "repro")
+    return repo
+
+
+@pytest.fixture
+def repo_copy(tmp_path: Path) -> Path:
+    return copy_repo(tmp_path / "repo")
