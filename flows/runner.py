@@ -30,9 +30,10 @@ breaks the rule still runs correctly here but is computed a second time by the f
 Resources. `meta: {gpus: N}` on a stage makes it hold N slots of the Prefect global concurrency
 limit `paperline-gpu` (created, active, with `gpu_slots` slots, default `PAPERLINE_GPU_SLOTS` or 1)
 while it runs, so GPU stages never oversubscribe the GPUs of this machine. A GPU stage waits for
-its GPU slots before it takes a workspace, and the thread pool has room for every waiting GPU
-stage, so CPU stages never queue behind GPU stages. `max_parallel` bounds the stage processes
-running at once (the workspaces in use). Routing a GPU stage to a separate GPU work pool is the job
+its GPU slots before it takes a workspace (one of `max_parallel`), so CPU stages never queue
+behind GPU stages waiting for a GPU. `max_parallel` bounds the stage processes running at once
+(the workspaces in use); the Prefect thread pool has a thread per stage, because a task waiting on
+its upstream (`wait_for`) holds a thread. Routing a GPU stage to a separate GPU work pool is the job
 of `route_stage()` (today: always this process).
 
 Tracking. One MLflow parent run per execution (`start_parent_run`, tags `prefect.flow_run_id`,
@@ -139,23 +140,28 @@ def load_plan(root: Path, pipeline: str, targets: list[str] | None = None,
     root = Path(root).resolve()
     dvcfile = dvcfile_of(root, pipeline)  # unknown pipeline: 'did you mean'
     with Repo(str(root)) as repo:
-        own = repo.stage.collect(dvcfile)
+        dvcfile_abs = str(root / dvcfile)  # targets resolve against the cwd: pass them absolute
+        own = repo.stage.collect(dvcfile_abs)
         names = {s.name for s in own}
         selected: set[Any] = set()
         for t in targets or [None]:
             if t is not None and t not in names:
                 raise did_you_mean(t, names, f"stage of pipeline {pipeline!r}")
-            spec = dvcfile if t is None else f"{dvcfile}:{t}"
+            spec = dvcfile_abs if t is None else f"{dvcfile_abs}:{t}"
             selected.update(repo.stage.collect(spec, with_deps=True))
         graph = repo.index.graph.subgraph(selected)  # edges: stage -> its dependency
         # dependencies first; ties in name order, so runs list stages the same way every time
-        order = list(nx.lexicographical_topological_sort(graph.reverse(copy=False),
-                                                         key=lambda s: s.addressing))
+        order = list(nx.lexicographical_topological_sort(
+            graph.reverse(copy=False), key=lambda s: f"{s.path}:{s.name}"))
         with repo.lock:
             changed = {s: (not s.frozen and s.changed()) for s in order}
 
         def target(s: Any) -> str:
             return f"{Path(s.path).relative_to(root)}:{s.name}"
+
+        def addressing(s: Any) -> str:  # as DVC prints it when run from the repo root
+            rel = str(Path(s.path).relative_to(root))
+            return s.name if rel == "dvc.yaml" else f"{rel}:{s.name}"
 
         plan: list[StagePlan] = []
         runs: set[Any] = set()
@@ -165,7 +171,7 @@ def load_plan(root: Path, pipeline: str, targets: list[str] | None = None,
                 runs.add(s)
             gpus = int((s.meta or {}).get("gpus", 0) or 0) if isinstance(s.meta, dict) else 0
             plan.append(StagePlan(
-                name=_display_name(root, s, dvcfile), target=target(s), addressing=s.addressing,
+                name=_display_name(root, s, dvcfile), target=target(s), addressing=addressing(s),
                 upstream=sorted(target(u) for u in ups), action="run" if s in runs else "skip",
                 gpus=gpus, run_cacheable=_can_run_cache(s)))
     return plan
@@ -552,8 +558,10 @@ def pipeline_flow(pipeline: str, root: str | None = None, targets: list[str] | N
     ok = False
     try:
         futures: dict[str, Any] = {}
-        # room for every GPU stage waiting on its limit, so CPU stages never queue behind them
-        with ThreadPoolTaskRunner(max_workers=max_parallel + len(gpu_stages)) as runner:
+        # A thread per stage: in Prefect 3 a task waiting on `wait_for` (or on the GPU limit)
+        # holds its thread, so a pool of `max_parallel` threads would leave ready branches idle.
+        # `max_parallel` bounds what matters, the stage processes (workspaces) running at once.
+        with ThreadPoolTaskRunner(max_workers=max(len(plan), 1)) as runner:
             for s in plan:
                 t = _stage_task.with_options(name=s.name, task_run_name=s.name,
                                              retries=retries, retry_delay_seconds=1)
@@ -598,6 +606,30 @@ def pipeline_flow(pipeline: str, root: str | None = None, targets: list[str] | N
     return result
 
 
+@contextlib.contextmanager
+def stack_endpoints(root: Path) -> Iterator[None]:
+    """While the local stack (`paperline stack up`) is up, runs go to its servers, unless
+    `PREFECT_API_URL` / `MLFLOW_TRACKING_URI` say otherwise."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows import stack
+
+    updates = {}
+    if not PREFECT_API_URL.value() and (url := stack.prefect_api_url(root)):
+        updates[PREFECT_API_URL] = url
+        print(f"using the stack's Prefect server {url}")
+    mlflow_url = None
+    if not os.environ.get("MLFLOW_TRACKING_URI") and (mlflow_url := stack.mlflow_url(root)):
+        os.environ["MLFLOW_TRACKING_URI"] = mlflow_url
+        print(f"using the stack's MLflow server {mlflow_url}")
+    try:
+        with temporary_settings(updates=updates):
+            yield
+    finally:
+        if mlflow_url:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+
+
 def run_pipeline(root: Path, pipeline: str, *, targets: list[str] | None = None,
                  max_parallel: int = 2, retries: int = 1, force: bool = False,
                  gpu_slots: int | None = None) -> RunSummary:
@@ -607,11 +639,11 @@ def run_pipeline(root: Path, pipeline: str, *, targets: list[str] | None = None,
     Raises the 'did you mean' error for an unknown pipeline or stage before starting Prefect.
     """
     root = Path(root).resolve()
-    plan = load_plan(root, pipeline, targets)  # fail fast on unknown names, no server needed
-    del plan
-    state = pipeline_flow(pipeline=pipeline, root=str(root), targets=targets,
-                          max_parallel=max_parallel, retries=retries, force=force,
-                          gpu_slots=gpu_slots, return_state=True)
+    load_plan(root, pipeline, targets)  # unknown names fail here, before Prefect starts
+    with stack_endpoints(root):
+        state = pipeline_flow(pipeline=pipeline, root=str(root), targets=targets,
+                              max_parallel=max_parallel, retries=retries, force=force,
+                              gpu_slots=gpu_slots, return_state=True)
     value = state.result(raise_on_failure=False)
     if isinstance(value, PipelineFailed):
         value = value.summary

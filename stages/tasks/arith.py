@@ -29,10 +29,13 @@ from __future__ import annotations
 
 import random
 import re
-from typing import Any, Iterable, NamedTuple
+from typing import TYPE_CHECKING, Any, Iterable, NamedTuple
 
 import polars as pl
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+if TYPE_CHECKING:
+    from stages.core.checks import FrameSpec
 
 FAMILY = "arith"
 OPERATORS = "+-*"
@@ -216,6 +219,26 @@ def generate_splits(cfg: Config, sizes: dict[str, int], seed: int) -> dict[str, 
         out[split] = generate(cfg, n, seed, split=split, exclude=used)
         used.update(row["question"] for row in out[split])
     return out
+
+
+def expectations(cfg: Config | None = None, split: str | None = None) -> "FrameSpec":
+    """The data checks of one split file (pass the generating config for the value rules)."""
+    from stages.core.checks import spec_from_schema
+
+    rules: dict[str, dict[str, Any]] = {
+        "id": {"unique": True}, "question": {"unique": True}, "prompt": {"unique": True},
+        "family": {"values": [FAMILY]},
+    }
+    if split is not None:
+        rules["split"] = {"values": [split]}
+    if cfg is not None:
+        sizes = list(range(cfg.min_operands, cfg.max_operands + 1))
+        bound = magnitude_bound(cfg.max_value, cfg.max_operands, cfg.operators)
+        rules["answer"] = {"min": -bound, "max": bound}
+        # generate() makes counts per operand count differ by at most one
+        rules["n_operands"] = {"values": sizes, "max_imbalance": 1.5}
+        rules["difficulty"] = {"values": sizes}
+    return spec_from_schema(SCHEMA, **rules)
 
 
 def parse_steps(completion: str) -> list[str]:

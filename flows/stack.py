@@ -1,0 +1,329 @@
+"""The local stack, for users who want the UIs: Prefect server, MLflow server, a process worker.
+
+    paperline stack up        # start what is not running; prints the UI URLs
+    paperline stack status    # alive/dead, PIDs, URLs
+    paperline stack down      # SIGTERM each process group, then SIGKILL after a grace period
+
+Everything binds to 127.0.0.1 and keeps its state in `.paperline/stack/` (ignored by git):
+`prefect.db` and `mlflow.db` (SQLite), MLflow `artifacts/`, `<name>.pid` and `<name>.log` for each
+process, `ports.json`. Processes are started in their own session (process group) and stopped by
+PID only. Ports: arguments, else `PAPERLINE_PREFECT_PORT` / `PAPERLINE_MLFLOW_PORT`, else the
+ports of the last `up`, else 4200 / 5000.
+
+The worker serves work pool `paperline-cpu` (type `process`, created if missing) with
+`PREFECT_API_URL` and `MLFLOW_TRACKING_URI` pointing at these servers, so a run started from the
+Prefect UI (a deployment made by `paperline deploy`) runs here and logs to this MLflow server.
+
+Note: the stack's MLflow server has its own store (`.paperline/stack/mlflow.db`); the embedded
+store of plain `dvc repro` (`.paperline/mlflow/`) is separate. `paperline run` uses the stack's
+servers when the stack is up and `PREFECT_API_URL` / `MLFLOW_TRACKING_URI` are not set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+STACK_DIR = Path(".paperline") / "stack"
+WORK_POOL = "paperline-cpu"
+DEFAULT_PORTS = {"prefect": 4200, "mlflow": 5000}
+COMPONENTS = ("prefect", "mlflow", "worker")
+HOST = "127.0.0.1"
+
+
+def stack_dir(root: Path) -> Path:
+    return Path(root).resolve() / STACK_DIR
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((HOST, port))
+            return True
+        except OSError:
+            return False
+
+
+def _bin(name: str) -> str:
+    """The tool from this interpreter's environment (the project's venv)."""
+    here = Path(sys.executable).with_name(name)
+    return str(here) if here.exists() else name
+
+
+# ---------------------------------------------------------------------------------------------
+# PID files: "<pid> <process create time>", so a reused PID is never mistaken for ours
+
+
+def _pidfile(root: Path, name: str) -> Path:
+    return stack_dir(root) / f"{name}.pid"
+
+
+def _read_pid(root: Path, name: str) -> int | None:
+    """The live PID of component `name`, or None; a stale PID file is removed."""
+    import psutil
+
+    path = _pidfile(root, name)
+    try:
+        pid_s, created_s = path.read_text().split()
+        pid, created = int(pid_s), float(created_s)
+    except (FileNotFoundError, ValueError):
+        if path.exists():
+            path.unlink()
+        return None
+    try:
+        proc = psutil.Process(pid)
+        if abs(proc.create_time() - created) < 1.0 and proc.status() != psutil.STATUS_ZOMBIE:
+            return pid
+    except psutil.Error:
+        pass
+    path.unlink(missing_ok=True)  # stale: the process is gone (or the PID was reused)
+    return None
+
+
+def _write_pid(root: Path, name: str, pid: int) -> None:
+    import psutil
+
+    _pidfile(root, name).write_text(f"{pid} {psutil.Process(pid).create_time()}\n")
+
+
+def ports(root: Path) -> dict[str, int]:
+    path = stack_dir(root) / "ports.json"
+    recorded = json.loads(path.read_text()) if path.is_file() else {}
+    return {k: int(recorded.get(k, v)) for k, v in DEFAULT_PORTS.items()}
+
+
+def urls(root: Path) -> dict[str, str]:
+    p = ports(root)
+    return {"prefect": f"http://{HOST}:{p['prefect']}", "mlflow": f"http://{HOST}:{p['mlflow']}"}
+
+
+def prefect_api_url(root: Path) -> str | None:
+    """The stack's Prefect API URL when its server is alive, else None."""
+    return f"{urls(root)['prefect']}/api" if _read_pid(root, "prefect") else None
+
+
+def mlflow_url(root: Path) -> str | None:
+    return urls(root)["mlflow"] if _read_pid(root, "mlflow") else None
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=3) as resp:
+            return resp.status == 200
+    except Exception:
+        return False
+
+
+def _worker_online(api: str, pool: str) -> bool:
+    req = urllib.request.Request(f"{api}/work_pools/{pool}/workers/filter", data=b"{}",
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=3) as resp:
+            return any(w.get("status") == "ONLINE" for w in json.loads(resp.read()))
+    except Exception:
+        return False
+
+
+def _log_tail(root: Path, name: str, n: int = 30) -> str:
+    path = stack_dir(root) / f"{name}.log"
+    return "\n".join(path.read_text(errors="replace").splitlines()[-n:]) if path.is_file() else ""
+
+
+def _spawn(root: Path, name: str, cmd: list[str], env: dict[str, str]) -> int:
+    log = open(stack_dir(root) / f"{name}.log", "ab")
+    log.write(f"\n--- {time.strftime('%Y-%m-%d %H:%M:%S')} $ {' '.join(cmd)}\n".encode())
+    log.flush()
+    proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    log.close()
+    _write_pid(root, name, proc.pid)
+    return proc.pid
+
+
+def _wait(root: Path, name: str, check: Any, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        if _read_pid(root, name) is None:
+            raise RuntimeError(f"{name} exited during start-up; log tail:\n{_log_tail(root, name)}")
+        time.sleep(0.5)
+    raise TimeoutError(f"{name} not ready after {timeout:.0f}s; log tail:\n{_log_tail(root, name)}")
+
+
+def _base_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    env.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    env.setdefault("DVC_NO_ANALYTICS", "1")
+    return env
+
+
+def up(root: Path, prefect_port: int | None = None, mlflow_port: int | None = None, *,
+       components: tuple[str, ...] = COMPONENTS, timeout: float = 180.0,
+       quiet: bool = False) -> dict[str, dict[str, Any]]:
+    """Start the stack's processes that are not running; a no-op (that says so) when all are."""
+    root = Path(root).resolve()
+    sdir = stack_dir(root)
+    sdir.mkdir(parents=True, exist_ok=True)
+    unknown = set(components) - set(COMPONENTS)
+    if unknown:
+        from stages.core.config import did_you_mean
+
+        raise did_you_mean(sorted(unknown)[0], COMPONENTS, "stack component")
+    say = (lambda *a: None) if quiet else print
+    running = {c: _read_pid(root, c) for c in components}
+    if all(running.values()):
+        say(f"stack already up ({', '.join(f'{c} pid {p}' for c, p in running.items())})")
+        return status(root)
+
+    p = ports(root)
+    asked = {"prefect": prefect_port or os.environ.get("PAPERLINE_PREFECT_PORT"),
+             "mlflow": mlflow_port or os.environ.get("PAPERLINE_MLFLOW_PORT")}
+    for k, v in asked.items():
+        if v and not _read_pid(root, k):
+            p[k] = int(v)
+    for k in ("prefect", "mlflow"):
+        if k in components and not running.get(k) and not _port_free(p[k]):
+            env_name = f"PAPERLINE_{k.upper()}_PORT"
+            raise RuntimeError(f"port {p[k]} for {k} is in use on {HOST}: stop what holds it, or "
+                               f"choose another port ({env_name}=... or --{k}-port)")
+    (sdir / "ports.json").write_text(json.dumps(p))
+    u = urls(root)
+    env = _base_env()
+    started: list[str] = []
+    try:
+        if "prefect" in components and not running["prefect"]:
+            penv = dict(env, PREFECT_API_DATABASE_CONNECTION_URL=(
+                f"sqlite+aiosqlite:///{sdir / 'prefect.db'}"))
+            penv.pop("PREFECT_API_URL", None)
+            _spawn(root, "prefect", [_bin("prefect"), "server", "start", "--host", HOST,
+                                     "--port", str(p["prefect"])], penv)
+            started.append("prefect")
+        if "mlflow" in components and not running["mlflow"]:
+            menv = dict(env, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
+            menv.pop("MLFLOW_TRACKING_URI", None)
+            (sdir / "artifacts").mkdir(exist_ok=True)
+            _spawn(root, "mlflow", [_bin("mlflow"), "server", "--host", HOST,
+                                    "--port", str(p["mlflow"]), "--workers", "1",
+                                    "--backend-store-uri", f"sqlite:///{sdir / 'mlflow.db'}",
+                                    "--artifacts-destination", str(sdir / "artifacts")], menv)
+            started.append("mlflow")
+        if "prefect" in components:
+            _wait(root, "prefect", lambda: _healthy(f"{u['prefect']}/api/health"), timeout)
+        if "mlflow" in components:
+            _wait(root, "mlflow", lambda: _healthy(f"{u['mlflow']}/health"), timeout)
+        if "worker" in components and not running["worker"]:
+            if not _read_pid(root, "prefect"):
+                raise RuntimeError("the worker needs the stack's Prefect server: "
+                                   "start it too (components include 'prefect')")
+            wenv = dict(env, PREFECT_API_URL=f"{u['prefect']}/api",
+                        MLFLOW_TRACKING_URI=u["mlflow"], PAPERLINE_ROOT=str(root),
+                        PREFECT_WORKER_QUERY_SECONDS=env.get("PREFECT_WORKER_QUERY_SECONDS", "3"))
+            _spawn(root, "worker", [_bin("prefect"), "worker", "start", "--pool", WORK_POOL,
+                                    "--type", "process", "--name", f"{WORK_POOL}-{p['prefect']}"],
+                   wenv)
+            started.append("worker")
+            _wait(root, "worker", lambda: _worker_online(f"{u['prefect']}/api", WORK_POOL),
+                  timeout)
+    except BaseException:
+        for name in reversed(started):
+            _stop(root, name, 10.0)
+        raise
+    say(f"stack up: Prefect UI {u['prefect']}  MLflow UI {u['mlflow']}  "
+        f"worker pool {WORK_POOL}  (state in {sdir.relative_to(root)})")
+    return status(root)
+
+
+def _stop(root: Path, name: str, timeout: float) -> str:
+    """SIGTERM the component's process group and its descendants, wait, then SIGKILL."""
+    import psutil
+
+    pid = _read_pid(root, name)
+    if pid is None:
+        return "not running"
+    try:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        procs = []
+
+    def signal_all(sig: signal.Signals, targets: list[Any]) -> None:
+        try:
+            os.killpg(pid, sig)  # started with start_new_session: its group id is its pid
+        except ProcessLookupError:
+            pass
+        for proc in targets:  # descendants that left the group (e.g. a new session)
+            try:
+                proc.send_signal(sig)
+            except psutil.NoSuchProcess:
+                pass
+
+    signal_all(signal.SIGTERM, procs)
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    result = "stopped"
+    if alive:
+        signal_all(signal.SIGKILL, alive)
+        psutil.wait_procs(alive, timeout=10)
+        result = "killed"
+    _pidfile(root, name).unlink(missing_ok=True)
+    return result
+
+
+def down(root: Path, timeout: float = 30.0, quiet: bool = False) -> dict[str, str]:
+    """Stop the worker, then the servers; returns component -> stopped|killed|not running."""
+    root = Path(root).resolve()
+    out = {name: _stop(root, name, timeout) for name in ("worker", "mlflow", "prefect")}
+    if not quiet:
+        print("stack down: " + ", ".join(f"{k} {v}" for k, v in out.items()))
+    return out
+
+
+def status(root: Path) -> dict[str, dict[str, Any]]:
+    """component -> {state: alive|dead, pid, url (servers) / pool (worker), healthy}."""
+    root = Path(root).resolve()
+    u = urls(root)
+    out: dict[str, dict[str, Any]] = {}
+    for name in COMPONENTS:
+        pid = _read_pid(root, name)
+        info: dict[str, Any] = {"state": "alive" if pid else "dead", "pid": pid}
+        if name == "prefect":
+            info["url"] = u["prefect"]
+            info["healthy"] = bool(pid) and _healthy(f"{u['prefect']}/api/health")
+        elif name == "mlflow":
+            info["url"] = u["mlflow"]
+            info["healthy"] = bool(pid) and _healthy(f"{u['mlflow']}/health")
+        else:
+            info["pool"] = WORK_POOL
+            info["healthy"] = bool(pid)
+        info["log"] = str((stack_dir(root) / f"{name}.log").relative_to(root))
+        out[name] = info
+    return out
+
+
+def describe(info: dict[str, dict[str, Any]]) -> str:
+    """`status()` as lines for a terminal."""
+    lines = []
+    for name, i in info.items():
+        where = i.get("url") or f"pool {i.get('pool')}"
+        pid = f"pid {i['pid']}" if i["pid"] else "-"
+        lines.append(f"{name:<8} {i['state']:<6} {pid:<11} {where}  (log {i['log']})")
+    return "\n".join(lines)

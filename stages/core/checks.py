@@ -1,0 +1,263 @@
+"""Data checks at stage boundaries: a small declarative spec run as a great-expectations suite.
+
+A stage describes a table with a `FrameSpec` (columns with dtype, not-null, unique, range, value
+set, exact distinct set; a minimum row count). Producers call `validate_frame(df, spec, name)`
+before declaring success; consumers call `read_parquet_checked(path, spec)` on every input, which
+turns a missing, empty, truncated or corrupt file, a missing column, a wrong dtype, a null or NaN
+into one `DataValidationError` naming the file, the column and the rule, before any compute.
+
+great-expectations 1.x has no polars engine, so the suite runs on `df.to_pandas()`. Dtypes are
+checked on the polars schema first (exact: Int32 vs Int64), the rest by GE. GE is imported lazily
+(about 4 s) and its ephemeral context is created once per process; one validation of a 20k-row
+split takes tens of milliseconds after that.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import polars as pl
+
+log = logging.getLogger("paperline")
+
+
+class DataValidationError(ValueError):
+    """Bad data at a stage boundary; the message names the file, the column and the rule."""
+
+    def __init__(self, message: str, *, source: str = "", column: str | None = None,
+                 rule: str = "") -> None:
+        super().__init__(message)
+        self.source, self.column, self.rule = source, column, rule
+
+
+@dataclass(frozen=True)
+class ColumnSpec:
+    """Rules for one column. `values`: every value in this set; `distinct`: the set of distinct
+    values equals this one (e.g. every difficulty level present)."""
+
+    dtype: Any = None                      # a polars dtype, None = any
+    nullable: bool = False                 # False: no null, and no NaN in float columns
+    unique: bool = False
+    min: float | None = None
+    max: float | None = None
+    values: tuple | None = None
+    distinct: tuple | None = None
+    max_imbalance: float | None = None     # most / least frequent value count (label balance);
+                                           # counts that differ by at most one always pass
+
+
+@dataclass(frozen=True)
+class FrameSpec:
+    columns: Mapping[str, ColumnSpec] = field(default_factory=dict)
+    min_rows: int = 1
+
+
+def spec_from_schema(schema: Mapping[str, Any], min_rows: int = 1,
+                     **rules: dict[str, Any]) -> FrameSpec:
+    """A FrameSpec with every schema column typed and not-null, plus extra rules per column:
+    `spec_from_schema(SCHEMA, id={"unique": True}, answer={"min": 0})`."""
+    unknown = sorted(set(rules) - set(schema))
+    if unknown:
+        raise KeyError(f"rules for columns not in the schema: {unknown}")
+    columns = {}
+    for name, dtype in schema.items():
+        extra = dict(rules.get(name, {}))
+        for key in ("values", "distinct"):
+            if extra.get(key) is not None:
+                extra[key] = tuple(extra[key])
+        columns[name] = ColumnSpec(dtype=dtype, **extra)
+    return FrameSpec(columns=columns, min_rows=min_rows)
+
+
+# --- great-expectations, once per process -------------------------------------------------------
+
+_GX: dict[str, Any] = {}
+_GX_LOCK = threading.Lock()
+
+
+def _gx() -> dict[str, Any]:
+    """The GE modules and an ephemeral context with one pandas whole-frame batch definition."""
+    with _GX_LOCK:
+        if not _GX:
+            os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
+            # GE logs hundreds of INFO lines while importing: quiet it before the import.
+            logging.getLogger("great_expectations").setLevel(logging.WARNING)
+            started = time.perf_counter()
+            import great_expectations as gx
+            import great_expectations.expectations as gxe
+            from great_expectations.data_context.types.base import (
+                DataContextConfig,
+                InMemoryStoreBackendDefaults,
+                ProgressBarsConfig,
+            )
+
+            # In memory only: no temporary data-docs site written to /tmp.
+            config = DataContextConfig(
+                store_backend_defaults=InMemoryStoreBackendDefaults(init_temp_docs_sites=False))
+            context = gx.get_context(mode="ephemeral", project_config=config)
+            context.variables.progress_bars = ProgressBarsConfig(globally=False)
+            asset = context.data_sources.add_pandas("paperline").add_dataframe_asset("frame")
+            _GX.update(gx=gx, gxe=gxe, context=context,
+                       batch_definition=asset.add_batch_definition_whole_dataframe("whole"))
+            log.debug("great-expectations ready in %.2fs", time.perf_counter() - started)
+    return _GX
+
+
+def _pandas_dtype_name(dtype: Any) -> str:
+    return str(pl.DataFrame(schema={"c": dtype}).to_pandas().dtypes["c"])
+
+
+# Failure order in messages: the most basic broken rule first.
+_RULES = {  # GE expectation type -> (rule name, priority)
+    "expect_column_to_exist": ("column exists", 0),
+    "expect_table_row_count_to_be_between": ("row count", 1),
+    "expect_column_values_to_not_be_null": ("not null", 2),
+    "expect_column_values_to_be_of_type": ("dtype", 3),
+    "expect_column_values_to_be_unique": ("unique", 4),
+    "expect_column_values_to_be_between": ("value range", 5),
+    "expect_column_values_to_be_in_set": ("value set", 6),
+    "expect_column_distinct_values_to_equal_set": ("distinct values", 7),
+}
+
+
+def build_suite(spec: FrameSpec, name: str) -> Any:
+    """The GE ExpectationSuite for a spec (not stored in any context)."""
+    g = _gx()
+    gx, gxe = g["gx"], g["gxe"]
+    suite = gx.ExpectationSuite(name=name)
+    suite.add_expectation(gxe.ExpectTableRowCountToBeBetween(min_value=spec.min_rows))
+    for col, rules in spec.columns.items():
+        suite.add_expectation(gxe.ExpectColumnToExist(column=col))
+        if rules.dtype is not None:
+            suite.add_expectation(gxe.ExpectColumnValuesToBeOfType(
+                column=col, type_=_pandas_dtype_name(rules.dtype)))
+        if not rules.nullable:
+            suite.add_expectation(gxe.ExpectColumnValuesToNotBeNull(column=col))
+        if rules.unique:
+            suite.add_expectation(gxe.ExpectColumnValuesToBeUnique(column=col))
+        if rules.min is not None or rules.max is not None:
+            suite.add_expectation(gxe.ExpectColumnValuesToBeBetween(
+                column=col, min_value=rules.min, max_value=rules.max))
+        if rules.values is not None:
+            suite.add_expectation(gxe.ExpectColumnValuesToBeInSet(column=col, value_set=list(rules.values)))
+        if rules.distinct is not None:
+            suite.add_expectation(gxe.ExpectColumnDistinctValuesToEqualSet(
+                column=col, value_set=list(rules.distinct)))
+    return suite
+
+
+def check_schema(schema: Mapping[str, Any], spec: FrameSpec, name: str) -> None:
+    """Columns present with the right polars dtype (cheap; works on a parquet footer alone)."""
+    for col, rules in spec.columns.items():
+        if col not in schema:
+            raise DataValidationError(
+                f"{name}: column {col!r}: rule 'column exists' failed: missing "
+                f"(columns present: {', '.join(schema) or 'none'})",
+                source=name, column=col, rule="column exists")
+        if rules.dtype is not None and schema[col] != rules.dtype:
+            raise DataValidationError(
+                f"{name}: column {col!r}: rule 'dtype' failed: dtype is {schema[col]}, "
+                f"expected {rules.dtype}", source=name, column=col, rule="dtype")
+
+
+def _describe_failure(result: Any) -> tuple[str | None, str, str]:
+    cfg = result.expectation_config
+    rule, _ = _RULES.get(cfg.type, (cfg.type, 99))
+    column = cfg.kwargs.get("column")
+    r = result.result or {}
+    if r.get("unexpected_count"):
+        detail = (f"{r['unexpected_count']} of {r.get('element_count', '?')} values break it, "
+                  f"e.g. {r.get('partial_unexpected_list', [])[:5]}")
+    elif r.get("partial_missing_list"):
+        detail = f"values never seen: {r['partial_missing_list'][:10]}"
+    elif "observed_value" in r:
+        detail = f"observed {r['observed_value']!r}"
+    else:
+        detail = "failed"
+    if result.exception_info and result.exception_info.get("raised_exception"):
+        detail += f" ({result.exception_info.get('exception_message')})"
+    args = {k: v for k, v in cfg.kwargs.items() if k not in ("column", "batch_id") and v is not None}
+    if args:
+        detail += f"; expected {args}"
+    return column, rule, f"{detail} [{cfg.type}]"
+
+
+def validate_frame(df: pl.DataFrame, expectations: FrameSpec, name: str) -> dict[str, Any]:
+    """Run `expectations` on `df` as a GE suite; raise DataValidationError on any failure.
+
+    `name` identifies the data in messages and logs (use the file path). Returns a summary:
+    success, evaluated expectations, rows, seconds and GE's own result dict.
+    """
+    started = time.perf_counter()
+    check_schema(df.schema, expectations, name)
+    g = _gx()
+    suite = build_suite(expectations, name)
+    batch = g["batch_definition"].get_batch(batch_parameters={"dataframe": df.to_pandas()})
+    result = batch.validate(suite)
+    seconds = time.perf_counter() - started
+    failures = sorted((r for r in result.results if not r.success),
+                      key=lambda r: _RULES.get(r.expectation_config.type, ("", 99))[1])
+    if failures:
+        described = [_describe_failure(r) for r in failures]
+        column, rule, _ = described[0]
+        lines = [f"{name}: data validation failed ({len(failures)} of {len(result.results)} rules):"]
+        for col, rul, detail in described:
+            where = f"column {col!r}" if col else "table"
+            lines.append(f"  {where}: rule {rul!r} failed: {detail}")
+        log.error("%s", "\n".join(lines))
+        raise DataValidationError("\n".join(lines), source=name, column=column, rule=rule)
+    _check_balance(df, expectations, name)
+    log.info("%s: %d expectations passed on %d rows in %.3fs", name, len(result.results),
+             df.height, seconds)
+    return {"success": True, "evaluated": len(result.results), "rows": df.height,
+            "seconds": seconds, "result": result.describe_dict()}
+
+
+def _check_balance(df: pl.DataFrame, spec: FrameSpec, name: str) -> None:
+    """Label balance (not a GE built-in): most / least frequent value count <= max_imbalance."""
+    for col, rules in spec.columns.items():
+        if rules.max_imbalance is None or df.height == 0:
+            continue
+        counts = df[col].value_counts()["count"]
+        ratio = counts.max() / counts.min()
+        if counts.max() - counts.min() > 1 and ratio > rules.max_imbalance:
+            raise DataValidationError(
+                f"{name}: column {col!r}: rule 'balance' failed: most / least frequent value "
+                f"count = {ratio:.2f} > {rules.max_imbalance} "
+                f"({dict(df[col].value_counts().sort(col).iter_rows())})",
+                source=name, column=col, rule="balance")
+
+
+def read_parquet_checked(path: str | os.PathLike[str], spec: FrameSpec) -> pl.DataFrame:
+    """Read a parquet input and validate it against `spec`; every defect is a DataValidationError."""
+    p = Path(path)
+    name = str(path)
+    if not p.exists():
+        raise DataValidationError(
+            f"{name}: rule 'file exists' failed: no such file (run the stage that produces it, "
+            f"e.g. `dvc repro`)", source=name, rule="file exists")
+    if not p.is_file():
+        raise DataValidationError(f"{name}: rule 'file exists' failed: not a regular file",
+                                  source=name, rule="file exists")
+    if p.stat().st_size == 0:
+        raise DataValidationError(f"{name}: rule 'non-empty file' failed: the file is empty "
+                                  f"(0 bytes), not parquet", source=name, rule="non-empty file")
+    try:
+        schema = pl.read_parquet_schema(p)
+        check_schema(schema, spec, name)
+        df = pl.read_parquet(p)
+    except DataValidationError:
+        raise
+    except Exception as exc:  # polars/arrow raise several types for a bad footer or page
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DataValidationError(
+            f"{name}: rule 'readable parquet' failed: truncated or corrupt parquet "
+            f"({type(exc).__name__}: {first})", source=name, rule="readable parquet") from None
+    validate_frame(df, spec, name)
+    return df

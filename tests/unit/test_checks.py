@@ -1,0 +1,175 @@
+"""Data checks: each kind of bad input fails with a message naming the file, column and rule."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from stages.core.checks import (
+    ColumnSpec,
+    DataValidationError,
+    FrameSpec,
+    read_parquet_checked,
+    spec_from_schema,
+    validate_frame,
+)
+
+SCHEMA = {"id": pl.String, "label": pl.String, "answer": pl.Int64, "score": pl.Float64}
+SPEC = spec_from_schema(
+    SCHEMA, id={"unique": True}, label={"values": ["good", "bad"], "max_imbalance": 1.5},
+    answer={"min": -100, "max": 100}, score={"min": 0.0, "max": 1.0})
+
+
+def good_frame(n: int = 20) -> pl.DataFrame:
+    return pl.DataFrame({
+        "id": [f"r{i}" for i in range(n)],
+        "label": ["good" if i % 2 else "bad" for i in range(n)],
+        "answer": list(range(n)),
+        "score": [i / n for i in range(n)],
+    }, schema=SCHEMA)
+
+
+def write(tmp_path: Path, df: pl.DataFrame, name: str = "data.parquet") -> Path:
+    path = tmp_path / name
+    df.write_parquet(path)
+    return path
+
+
+def expect_error(path: Path, spec: FrameSpec, rule: str, column: str | None = None) -> str:
+    with pytest.raises(DataValidationError) as info:
+        read_parquet_checked(path, spec)
+    msg = str(info.value)
+    assert str(path) in msg, msg
+    assert rule in msg, msg
+    assert info.value.rule == rule
+    assert info.value.source == str(path)
+    if column is not None:
+        assert f"column {column!r}" in msg, msg
+        assert info.value.column == column
+    assert isinstance(info.value, ValueError)
+    return msg
+
+
+def test_good_file_passes_and_is_returned(tmp_path, capsys, caplog):
+    path = write(tmp_path, good_frame())
+    with caplog.at_level(logging.INFO, logger="paperline"):
+        df = read_parquet_checked(path, SPEC)
+    assert df.equals(good_frame())
+    assert "expectations passed on 20 rows" in caplog.text
+    out = capsys.readouterr()
+    assert "Calculating Metrics" not in out.out + out.err        # GE progress bars are off
+    assert not [r for r in caplog.records if r.name.startswith("great_expectations")
+                and r.levelno < logging.WARNING]
+
+
+def test_validate_frame_summary():
+    summary = validate_frame(good_frame(), SPEC, "memory")
+    assert summary["success"] and summary["rows"] == 20
+    assert summary["evaluated"] == 1 + 4 * 3 + 4    # rows; exist/type/not-null x4; unique, set, 2 ranges
+    assert summary["result"]["success"] is True
+
+
+def test_missing_file(tmp_path):
+    expect_error(tmp_path / "nope.parquet", SPEC, "file exists")
+
+
+def test_directory_instead_of_file(tmp_path):
+    (tmp_path / "dir.parquet").mkdir()
+    expect_error(tmp_path / "dir.parquet", SPEC, "file exists")
+
+
+def test_empty_file(tmp_path):
+    path = tmp_path / "empty.parquet"
+    path.touch()
+    assert "0 bytes" in expect_error(path, SPEC, "non-empty file")
+
+
+def test_truncated_parquet(tmp_path):
+    path = write(tmp_path, good_frame(500))
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    assert "truncated or corrupt" in expect_error(path, SPEC, "readable parquet")
+
+
+def test_not_parquet_at_all(tmp_path):
+    path = tmp_path / "text.parquet"
+    path.write_text("id,answer\n1,2\n")
+    expect_error(path, SPEC, "readable parquet")
+
+
+def test_missing_column(tmp_path):
+    path = write(tmp_path, good_frame().drop("answer"))
+    msg = expect_error(path, SPEC, "column exists", "answer")
+    assert "columns present: id, label, score" in msg
+
+
+def test_wrong_dtype(tmp_path):
+    path = write(tmp_path, good_frame().with_columns(pl.col("answer").cast(pl.Int32)))
+    msg = expect_error(path, SPEC, "dtype", "answer")
+    assert "Int32" in msg and "Int64" in msg
+    path = write(tmp_path, good_frame().with_columns(pl.col("answer").cast(pl.String)), "s.parquet")
+    expect_error(path, SPEC, "dtype", "answer")
+
+
+def test_null_in_int_column(tmp_path):
+    df = good_frame().with_columns(pl.when(pl.col("answer") == 3).then(None)
+                                   .otherwise(pl.col("answer")).alias("answer"))
+    msg = expect_error(write(tmp_path, df), SPEC, "not null", "answer")
+    assert "1 of 20 values" in msg
+
+
+def test_nan_in_float_column(tmp_path):
+    df = good_frame().with_columns(pl.when(pl.col("answer") == 3).then(float("nan"))
+                                   .otherwise(pl.col("score")).alias("score"))
+    assert df["score"].null_count() == 0                      # NaN, not null, in polars
+    expect_error(write(tmp_path, df), SPEC, "not null", "score")
+
+
+def test_duplicate_key(tmp_path):
+    df = good_frame().with_columns(pl.lit("same").alias("id"))
+    expect_error(write(tmp_path, df), SPEC, "unique", "id")
+
+
+def test_value_out_of_range(tmp_path):
+    df = good_frame().with_columns((pl.col("score") + 5).alias("score"))
+    expect_error(write(tmp_path, df), SPEC, "value range", "score")
+
+
+def test_value_not_in_set(tmp_path):
+    df = good_frame().with_columns(pl.lit("ugly").alias("label"))
+    expect_error(write(tmp_path, df), SPEC, "value set", "label")
+
+
+def test_zero_rows(tmp_path):
+    path = write(tmp_path, good_frame().head(0))
+    assert "observed 0" in expect_error(path, SPEC, "row count")
+
+
+def test_label_imbalance(tmp_path):
+    df = good_frame().with_columns(
+        pl.when(pl.col("answer") < 16).then(pl.lit("good")).otherwise(pl.lit("bad")).alias("label"))
+    expect_error(write(tmp_path, df), SPEC, "balance", "label")
+
+
+def test_distinct_set_names_missing_values():
+    spec = FrameSpec({"label": ColumnSpec(dtype=pl.String, distinct=("good", "bad", "meh"))})
+    with pytest.raises(DataValidationError, match="values never seen: \\['meh'\\]") as info:
+        validate_frame(good_frame(), spec, "mem.parquet")
+    assert info.value.rule == "distinct values"
+
+
+def test_first_reported_failure_is_the_most_basic():
+    # nulls turn an int column into float64 in pandas: report 'not null', not 'dtype'
+    df = good_frame().with_columns(pl.lit(None, dtype=pl.Int64).alias("answer"))
+    with pytest.raises(DataValidationError) as info:
+        validate_frame(df, SPEC, "x.parquet")
+    assert info.value.rule == "not null"
+    assert str(info.value).startswith("x.parquet: data validation failed")
+
+
+def test_spec_from_schema_rejects_unknown_column():
+    with pytest.raises(KeyError, match="not in the schema"):
+        spec_from_schema(SCHEMA, nope={"unique": True})
