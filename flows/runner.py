@@ -251,8 +251,10 @@ def sync_workspace(root: Path, ws: Path, files: list[str], cache_dir: str) -> in
                 (ws / rel).unlink()
     manifest.write_text(json.dumps(files))
     local = ws / ".dvc" / "config.local"
+    # links, not copies, from the shared cache: a workspace costs no disk for upstream outputs
+    # (DVC makes linked files read-only and removes a stage's outs before running it)
     text = ("[core]\n    no_scm = true\n    check_update = false\n"
-            f"[cache]\n    dir = {cache_dir}\n")
+            f"[cache]\n    dir = {cache_dir}\n    type = reflink,hardlink,copy\n")
     if not local.is_file() or local.read_text() != text:
         local.parent.mkdir(parents=True, exist_ok=True)
         local.write_text(text)

@@ -206,7 +206,7 @@ def up(root: Path, prefect_port: int | None = None, mlflow_port: int | None = No
         if k in components and not running.get(k) and not _port_free(p[k]):
             env_name = f"PAPERLINE_{k.upper()}_PORT"
             raise RuntimeError(f"port {p[k]} for {k} is in use on {HOST}: stop what holds it, or "
-                               f"choose another port ({env_name}=... or --{k}-port)")
+                               f"choose another port ({env_name}=<port>)")
     (sdir / "ports.json").write_text(json.dumps(p))
     u = urls(root)
     env = _base_env()

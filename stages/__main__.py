@@ -21,11 +21,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true",
                         help="validate params of the whole pipeline and exit, computing nothing")
     args = parser.parse_args(argv)
+    from stages.core.checks import DataValidationError
+
     try:
         run_stage(args.pipeline, args.stage, check_only=args.check)
     except (ParamsError, UnknownNameError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except DataValidationError as exc:
+        print(f"error: data check failed in stage {args.pipeline}/{args.stage}: {exc}",
+              file=sys.stderr)
+        return 3
     return 0
 
 

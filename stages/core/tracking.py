@@ -19,6 +19,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -185,7 +186,8 @@ class StageTracker:
         if not (self.ok and self._mlflow):
             return
         try:
-            self._mlflow.log_metrics({k: float(v) for k, v in metrics.items()}, step=step)
+            self._mlflow.log_metrics({mlflow_key(k): float(v) for k, v in metrics.items()},
+                                    step=step)
         except Exception as exc:
             self._fail("log_metrics", exc)
 
@@ -193,7 +195,8 @@ class StageTracker:
         if not (self.ok and self._mlflow):
             return
         try:
-            self._mlflow.log_params({k: str(v)[:500] for k, v in _flatten(params).items()})
+            self._mlflow.log_params({mlflow_key(k): str(v)[:500]
+                                    for k, v in _flatten(params).items()})
         except Exception as exc:
             self._fail("log_params", exc)
 
@@ -253,7 +256,8 @@ class StageTracker:
             versions = client.search_model_versions(f"tags.`paperline.model_sha` = '{sha}'")
             for v in versions:
                 for k, val in metrics.items():
-                    client.set_model_version_tag(v.name, v.version, f"metric.{k}", f"{float(val):.6g}")
+                    client.set_model_version_tag(v.name, v.version, f"metric.{mlflow_key(k)}",
+                                                 f"{float(val):.6g}")
             return len(versions)
         except Exception as exc:
             self._fail("annotate_model", exc)
@@ -266,6 +270,14 @@ class StageTracker:
             self._mlflow.end_run(status="FINISHED" if exc_type is None else "FAILED")
         except Exception as err:
             self._fail("end_run", err)
+
+
+_BAD_KEY_CHARS = re.compile(r"[^A-Za-z0-9_\-. :/]")
+
+
+def mlflow_key(key: str) -> str:
+    """MLflow allows only alphanumerics, `_-. :/` in names: `pass@4` becomes `pass_at_4`."""
+    return _BAD_KEY_CHARS.sub("_", key.replace("@", "_at_"))
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

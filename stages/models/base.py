@@ -51,14 +51,14 @@ class Config(BaseModel):
         None, description="local folder of a Hugging Face causal LM (with its tokenizer) used "
                           "when init=pretrained; never a hub id, nothing is downloaded")
     # Model size (init=scratch).
-    hidden_size: int = Field(256, ge=16, le=4096, description="model width d")
-    num_layers: int = Field(4, ge=1, le=64, description="decoder layers")
+    hidden_size: int = Field(64, ge=16, le=4096, description="model width d")
+    num_layers: int = Field(2, ge=1, le=64, description="decoder layers")
     num_heads: int = Field(4, ge=1, le=64, description="attention heads (divides hidden_size)")
-    intermediate_size: int = Field(688, ge=16, le=16384, description="SwiGLU MLP width")
+    intermediate_size: int = Field(128, ge=16, le=16384, description="SwiGLU MLP width")
     max_positions: int = Field(256, ge=32, le=8192, description="max sequence length, tokens")
     # Optimisation.
-    steps: int = Field(3000, ge=1, le=1_000_000, description="optimizer steps")
-    batch_size: int = Field(64, ge=1, le=4096, description="sequences per optimizer step")
+    steps: int = Field(20, ge=1, le=1_000_000, description="optimizer steps")
+    batch_size: int = Field(16, ge=1, le=4096, description="sequences per optimizer step")
     lr: float = Field(2e-3, gt=0, le=1.0, description="peak learning rate")
     warmup: float = Field(0.03, ge=0, lt=1, description="linear warmup, fraction of `steps`")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine decays to lr * this")
@@ -213,7 +213,7 @@ def train(cfg: Config, model: Any, tokenizer: Any, rows: list[dict[str, list[int
             max_grad_norm=cfg.max_grad_norm, optim="adamw_torch",
             train_sampling_strategy="group_by_length" if cfg.group_by_length else "random",
             logging_steps=cfg.log_every, save_strategy="no", report_to="none",
-            use_cpu=not torch.cuda.is_available(), bf16=False, gradient_checkpointing=False,
+            use_cpu=not torch.cuda.is_available(), bf16=False,
             seed=seed, data_seed=seed, dataloader_pin_memory=False, remove_unused_columns=False,
             disable_tqdm=False)
         trainer = Trainer(model=model, args=args, train_dataset=rows,
@@ -235,7 +235,6 @@ def train(cfg: Config, model: Any, tokenizer: Any, rows: list[dict[str, list[int
 
 def run(cfg: Config, ctx: Any) -> dict[str, float]:
     import polars as pl
-    import torch
     from transformers import AutoTokenizer, set_seed
 
     threads = set_threads(cfg.num_threads)
@@ -275,10 +274,10 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
         model.save_pretrained(str(tmp), safe_serialization=True)
         tokenizer.save_pretrained(str(tmp))
     metrics["n_params"] = float(n_params)
+    metrics["train_rows"] = float(len(rows))
     if ctx.tracker is not None:
         ctx.tracker.register_model(
             out, "base-arith", ["candidate", "champion"],
             tags={"init": cfg.init, "family": cfg.family,
                   "n_params": str(n_params), "val_loss": f"{metrics.get('val_loss', math.nan):.4f}"})
-    torch.set_num_threads(threads)
     return metrics

@@ -29,3 +29,22 @@ def get_family(name: str) -> ModuleType:
     if name not in FAMILIES:
         raise did_you_mean(name, FAMILIES, "task family")
     return FAMILIES[name]
+
+
+def split_path(tasks_dir, family: str, split: str):
+    """`<paths.tasks>/<family>/<split>.parquet`."""
+    from pathlib import Path
+
+    return Path(tasks_dir) / family / f"{split}.parquet"
+
+
+def load_split(tasks_dir, family: str, split: str):
+    """Read one split, validated at the stage boundary by the family's great-expectations suite.
+
+    A missing, empty, truncated or schema-violating file raises `DataValidationError` naming the
+    file, the column and the rule, before the calling stage computes anything.
+    """
+    from stages.core.checks import read_parquet_checked
+
+    fam = get_family(family)
+    return read_parquet_checked(split_path(tasks_dir, family, split), fam.expectations(None, split))

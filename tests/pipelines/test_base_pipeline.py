@@ -117,11 +117,11 @@ def test_bad_params_fail_before_compute(repo_copy: Path):
 
 
 def test_out_of_range_param_names_key_value_and_bound(repo_copy: Path):
-    set_params(repo_copy, **{"tasks.n_train": -5})
+    set_params(repo_copy, **{"profiles.smoke.tasks.n_train": -5})
     proc = subprocess.run([sys.executable, "-m", "stages", "base", "tasks"], cwd=repo_copy,
                           capture_output=True, text=True)
     assert proc.returncode == 2
-    assert "tasks.n_train = -5" in proc.stderr
+    assert "tasks.n_train = -5" in proc.stderr and "greater than or equal to 1" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 

@@ -1,0 +1,190 @@
+"""Prefect runner vs sequential `dvc repro`, measured side by side in one run.
+
+    .venv/bin/python benchmarks/prefect_runner.py [--branches 4] [--busy-seconds 4]
+        [--chain 8] [--max-parallel 2] [--write]
+
+1. Speedup: a DAG of `--branches` independent stages, each a single-threaded busy loop of a fixed
+   amount of work (calibrated to `--busy-seconds` on one core), joined by a trivial last stage.
+   Two fresh copies of the same repo: `dvc repro` in one, `run_pipeline(max_parallel=...)` in the
+   other; speedup = sequential wall time / Prefect wall time.
+2. Overhead: a chain of `--chain` trivial stages (no parallelism to gain): overhead per stage =
+   (Prefect wall time - `dvc repro` wall time) / stages.
+
+The Prefect server (started once, SQLite in a temporary folder) is not part of the timings; the
+Prefect wall time is the whole `run_pipeline` call (plan from DVC, workspaces, final restore).
+`--write` replaces the "Prefect runner" section of benchmarks/RESULTS.md with the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+BUSY = '''
+import json, sys, time
+from pathlib import Path
+name, iters = sys.argv[1], int(sys.argv[2])
+started = time.time()
+x = 0
+for i in range(iters):   # single-threaded CPU work, fixed amount
+    x = (x * 31 + i) % 1000003
+Path("out").mkdir(exist_ok=True)
+Path(f"out/{name}.txt").write_text(f"{x}\\n")
+Path("metrics").mkdir(exist_ok=True)
+Path(f"metrics/{name}.json").write_text(json.dumps({"x": x, "seconds": time.time() - started}))
+'''
+
+
+def calibrate(seconds: float) -> int:
+    n = 2_000_000
+    t = time.perf_counter()
+    x = 0
+    for i in range(n):
+        x = (x * 31 + i) % 1000003
+    rate = n / (time.perf_counter() - t)
+    return int(rate * seconds)
+
+
+def stage(name: str, iters: int, deps: list[str]) -> str:
+    return textwrap.dedent(f"""\
+      {name}:
+        cmd: python busy.py {name} {iters}
+        deps: [{', '.join(['busy.py', *deps])}]
+        outs: [out/{name}.txt]
+        metrics: [{{metrics/{name}.json: {{cache: false}}}}]
+    """)
+
+
+def make_repo(dest: Path, stages: list[str]) -> Path:
+    dest.mkdir(parents=True)
+    (dest / "busy.py").write_text(BUSY)
+    (dest / "params.yaml").write_text("seed: 0\n")
+    (dest / "dvc.yaml").write_text("stages:\n" + textwrap.indent("".join(stages), "  "))
+    env = {**os.environ, "GIT_AUTHOR_NAME": "b", "GIT_AUTHOR_EMAIL": "b@b",
+           "GIT_COMMITTER_NAME": "b", "GIT_COMMITTER_EMAIL": "b@b"}
+    dvc = str(Path(sys.executable).with_name("dvc"))
+    for cmd in (["git", "init", "-q"], [dvc, "init", "-q"], ["git", "add", "-A"],
+                ["git", "commit", "-qm", "bench"]):
+        subprocess.run(cmd, cwd=dest, check=True, env=env, capture_output=True, timeout=60)
+    return dest
+
+
+def sequential(repo: Path) -> float:
+    dvc = str(Path(sys.executable).with_name("dvc"))
+    t = time.perf_counter()
+    subprocess.run([dvc, "repro"], cwd=repo, check=True, capture_output=True, timeout=3600)
+    return time.perf_counter() - t
+
+
+def prefect(repo: Path, max_parallel: int) -> float:
+    from flows.runner import run_pipeline
+
+    t = time.perf_counter()
+    summary = run_pipeline(repo, "base", max_parallel=max_parallel)
+    elapsed = time.perf_counter() - t
+    bad = {k: v for k, v in summary.items() if v["state"] != "ran"}
+    if bad:
+        raise SystemExit(f"unexpected stage states: {bad}")
+    return elapsed
+
+
+def write_section(text: str) -> Path:
+    path = ROOT / "benchmarks" / "RESULTS.md"
+    old = path.read_text() if path.is_file() else "# Benchmark results\n"
+    pattern = re.compile(r"^## Prefect runner\n.*?(?=^## |\Z)", re.S | re.M)
+    if pattern.search(old):
+        new = pattern.sub(lambda _: text.rstrip() + "\n\n", old)
+    else:
+        new = old.rstrip() + "\n\n" + text.rstrip() + "\n"
+    path.write_text(new)
+    return path
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--branches", type=int, default=4)
+    ap.add_argument("--busy-seconds", type=float, default=4.0)
+    ap.add_argument("--chain", type=int, default=8)
+    ap.add_argument("--max-parallel", type=int, default=2)
+    ap.add_argument("--write", action="store_true", help="update benchmarks/RESULTS.md")
+    args = ap.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="paperline-bench-"))
+    os.environ.setdefault("PREFECT_HOME", str(work / "prefect-home"))
+    os.environ.setdefault("DVC_SITE_CACHE_DIR", str(work / "dvc-site"))
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("DVC_NO_ANALYTICS", "1")
+    os.environ.pop("MLFLOW_TRACKING_URI", None)
+    os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows import stack
+
+    server = work / "server"
+    stack.up(server, prefect_port=stack.free_port(), components=("prefect",), quiet=True)
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: stack.prefect_api_url(server)}):
+            iters = calibrate(args.busy_seconds)
+            branches = [stage(f"busy_{i}", iters, []) for i in range(args.branches)]
+            join = stage("join", 1, [f"out/busy_{i}.txt" for i in range(args.branches)])
+            seq_a = sequential(make_repo(work / "wide-seq", [*branches, join]))
+            pre_a = prefect(make_repo(work / "wide-prefect", [*branches, join]),
+                            args.max_parallel)
+            chain = [stage("s_0", 1, [])] + [stage(f"s_{i}", 1, [f"out/s_{i - 1}.txt"])
+                                            for i in range(1, args.chain)]
+            seq_b = sequential(make_repo(work / "chain-seq", chain))
+            pre_b = prefect(make_repo(work / "chain-prefect", chain), args.max_parallel)
+    finally:
+        from prefect.logging.handlers import APILogHandler
+
+        try:
+            APILogHandler().flush()
+        finally:
+            stack.down(server, quiet=True)
+            shutil.rmtree(work, ignore_errors=True)
+
+    cmd = "HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/prefect_runner.py " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "write")
+    text = textwrap.dedent(f"""\
+        ## Prefect runner
+
+        `paperline run` (flows/runner.py: a Prefect task per DVC stage, one workspace per running
+        stage, final `dvc repro` restoring from the run-cache) against a sequential `dvc repro`,
+        both on fresh copies of the same synthetic repo, in one run ({os.cpu_count()} CPUs,
+        Python {platform.python_version()}, {time.strftime('%Y-%m-%d')}):
+
+            {cmd}
+
+        | DAG | `dvc repro` | Prefect runner (max_parallel {args.max_parallel}) | result |
+        |---|---|---|---|
+        | {args.branches} independent busy stages (~{args.busy_seconds:g} s of one core each) + join | {seq_a:.1f} s | {pre_a:.1f} s | speedup {seq_a / pre_a:.2f}x |
+        | chain of {args.chain} trivial stages | {seq_b:.1f} s | {pre_b:.1f} s | overhead {(pre_b - seq_b) / args.chain:.2f} s per stage |
+
+        The overhead per stage is a `dvc repro` process in a workspace (DVC start-up, upstream
+        outputs restored from the run-cache, workspace sync) plus the Prefect task run; the final
+        restore in the main workspace adds a single `dvc repro` for the whole DAG. The
+        Prefect server's start-up is not included (it runs already, or is the stack's).
+        Parallel branches pay off once stages take more than a few seconds each.
+        """)
+    print(text)
+    if args.write:
+        print(f"written to {write_section(text).relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
