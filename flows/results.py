@@ -29,12 +29,8 @@ def load_metrics(root: Path, pipeline: str) -> dict[str, dict[str, Any]]:
     ctx, _, _ = build_context(root, pipeline, "report")
     mdir = ctx.path("metrics")
     out: dict[str, dict[str, Any]] = {}
-    if pipeline != "base":
-        mdir_own = mdir
-    else:
-        mdir_own = mdir
-    if mdir_own.is_dir():
-        for f in sorted(mdir_own.glob("*.json")):
+    if mdir.is_dir():
+        for f in sorted(mdir.glob("*.json")):
             try:
                 out[f.stem] = json.loads(f.read_text())
             except json.JSONDecodeError as exc:
@@ -145,13 +141,15 @@ def compare(root: Path, pipeline: str, out_dir: Path | None = None) -> tuple[str
             rows.append(row)
     rows.sort(key=lambda r: (r["model"], r["version"]))
 
-    # 2. Runs of the pipeline's experiment grouped by method (tag paperline.method, else stage).
-    by_method: dict[tuple[str, str], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    # 2. Runs of the pipeline's experiment: per stage, methods side by side (columns), metrics as
+    #    rows, mean ± std over seeds of the latest finished run per (method, seed).
+    by_stage: dict[tuple[str, str], dict[str, dict[str, list[float]]]] = defaultdict(
+        lambda: defaultdict(lambda: defaultdict(list)))
     exp = client.get_experiment_by_name(pipeline)
     if exp is not None:
         runs = client.search_runs([exp.experiment_id],
                                   filter_string="attributes.status = 'FINISHED'",
-                                  max_results=2000)
+                                  max_results=5000)
         latest: dict[tuple[str, str, str, str], Any] = {}
         for run in runs:
             tags = run.data.tags
@@ -162,11 +160,11 @@ def compare(root: Path, pipeline: str, out_dir: Path | None = None) -> tuple[str
                    tags.get("paperline.seed", ""))
             if key not in latest or run.info.start_time > latest[key].info.start_time:
                 latest[key] = run
-        for (profile, _stage, method, _seed), run in latest.items():
+        for (profile, stage, method, _seed), run in latest.items():
             for k, v in run.data.metrics.items():
-                if k.startswith("system/") or k == "stage_seconds":
+                if k.startswith(("system/", "train/")) or k == "stage_seconds":
                     continue
-                by_method[(profile, method)][k].append(v)
+                by_stage[(profile, stage)][method][k].append(v)
 
     lines = [f"## {pipeline}: registered models", ""]
     if rows:
@@ -177,15 +175,17 @@ def compare(root: Path, pipeline: str, out_dir: Path | None = None) -> tuple[str
             lines.append("| " + " | ".join(fmt(r.get(h, "")) for h in head) + " |")
     else:
         lines.append("_No registered models yet._")
-    lines += ["", f"## {pipeline}: runs by method (latest run per seed; mean ± std over seeds)", ""]
-    if by_method:
-        metric_names = sorted({m for d in by_method.values() for m in d})
-        head = ["profile", "method", *metric_names]
-        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        for (profile, method), d in sorted(by_method.items()):
-            lines.append("| " + " | ".join([profile, method, *(_mean_std(d.get(m, [])) for m in metric_names)]) + " |")
-    else:
-        lines.append("_No finished runs yet._")
+    lines += ["", f"## {pipeline}: runs (latest finished run per method and seed; mean ± std over seeds)"]
+    if not by_stage:
+        lines += ["", "_No finished runs yet._"]
+    for (profile, stage), methods in sorted(by_stage.items()):
+        names = sorted(methods)
+        metric_names = sorted({m for d in methods.values() for m in d})
+        lines += ["", f"### stage `{stage}` (profile `{profile}`)", "",
+                  "| metric | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+        for m in metric_names:
+            lines.append(f"| {m} | " + " | ".join(_mean_std(methods[n].get(m, [])) for n in names) + " |")
+    by_method = {(p, f"{s}/{m}"): d for (p, s), ms in by_stage.items() for m, d in ms.items()}
     table = "\n".join(lines) + "\n"
 
     out_dir = out_dir or (root / "reports" / pipeline)

@@ -123,10 +123,17 @@ def _display_name(root: Path, stage: Any, own_dvcfile: str) -> str:
 
 
 def _can_run_cache(stage: Any) -> bool:
-    from dvc.stage.cache import _can_hash  # DVC's own rule (see the module docstring)
-
+    """DVC's run-cache rule (`dvc.stage.cache._can_hash`), without its check that every dep
+    exists already (an upstream output appears only once the upstream stage ran)."""
     try:
-        return bool(_can_hash(stage))
+        if stage.is_callback or stage.always_changed:
+            return False
+        if not (stage.cmd and stage.deps and stage.outs):
+            return False
+        if any(d.protocol != "local" or not d.def_path for d in stage.deps):
+            return False
+        return all(o.protocol == "local" and o.def_path and not o.persist and o.is_in_repo
+                   for o in stage.outs)
     except Exception:
         return False
 
@@ -387,7 +394,6 @@ def _stage_task(run_key: str, target: str) -> dict[str, Any]:
         logger.info("%s is up to date (DVC): skipped", stage.addressing)
         return {"state": "skipped", "seconds": 0.0}
     assert route_stage(stage) == "local"
-    started = time.monotonic()
     gpu = contextlib.nullcontext()
     if stage.gpus:
         from prefect.concurrency.sync import concurrency
@@ -395,6 +401,7 @@ def _stage_task(run_key: str, target: str) -> dict[str, Any]:
         logger.info("waiting for %d slot(s) of concurrency limit %r", stage.gpus, GPU_LIMIT)
         gpu = concurrency(GPU_LIMIT, occupy=stage.gpus, strict=True)
     with gpu, run.pool.slot() as ws:
+        started = time.monotonic()  # the stage's own time, not its wait for a slot
         sync_workspace(run.root, ws, run.files, run.cache_dir)
         env = _stage_env(run, ws)
         dvc = dvc_executable()
@@ -410,7 +417,9 @@ def _stage_task(run_key: str, target: str) -> dict[str, Any]:
         rc, out = _stream(cmd, ws, env, logger)
         lines += out
     if rc != 0:
-        raise RuntimeError(f"stage {stage.name}: `dvc repro {stage.target}` failed (exit {rc})")
+        tail = "\n".join(lines[-5:])
+        raise RuntimeError(f"stage {stage.name}: `dvc repro {stage.target}` failed (exit {rc}) "
+                           f"in {ws.relative_to(run.root)}:\n{tail}")
     state = outcome_of(lines, stage.addressing)
     return {"state": "skipped" if state == "unchanged" else state,
             "seconds": round(time.monotonic() - started, 2)}

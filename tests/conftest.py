@@ -80,10 +80,19 @@ def dvc(repo: Path, *args: str, check: bool = True, timeout: int = 900) -> subpr
 
 @pytest.fixture(scope="session")
 def smoke_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The project copied once per session and reproduced at `smoke` (shared, read-mostly)."""
+    """The project copied once per session and reproduced at `smoke` (shared, read-mostly).
+
+    Through `paperline repro base`: real `dvc repro` under one MLflow parent run.
+    """
     repo = copy_repo(tmp_path_factory.mktemp("smoke") / "repo")
-    dvc(repo, "repro")
+    proc = paperline(repo, "repro", "base")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return repo
+
+
+def paperline(repo: Path, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([str(Path(sys.executable).parent / "paperline"), *args], cwd=repo,
+                          capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture

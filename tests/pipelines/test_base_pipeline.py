@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import copy_repo, dvc, set_params
+from tests.conftest import copy_repo, dvc, paperline, set_params
 
 pytestmark = pytest.mark.slow
 
@@ -71,6 +71,32 @@ def test_stage_runs_are_tracked_and_model_registered(smoke_repo: Path):
     assert champion.run_id in {r.info.run_id for r in runs}
     # The evaluation stage attached its scores to the registered version.
     assert "metric.greedy_acc" in champion.tags
+
+
+def test_stage_runs_hang_under_one_parent_run(smoke_repo: Path):
+    client = mlflow_client(smoke_repo)
+    exp = client.get_experiment_by_name("base")
+    parents = client.search_runs([exp.experiment_id], "tags.`paperline.kind` = 'pipeline'")
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    children = client.search_runs([exp.experiment_id],
+                                  f"tags.mlflow.parentRunId = '{parents[0].info.run_id}'")
+    assert {c.data.tags["paperline.stage"] for c in children} == set(STAGES)
+
+
+def test_compare_and_report(smoke_repo: Path):
+    proc = paperline(smoke_repo, "compare", "base")
+    assert proc.returncode == 0, proc.stderr
+    assert "base-arith" in proc.stdout and "champion" in proc.stdout
+    assert "greedy_acc" in proc.stdout
+    assert (smoke_repo / "reports/base/compare.png").stat().st_size > 1000
+    assert paperline(smoke_repo, "compare", "bsae").returncode == 2
+    readme = smoke_repo / "pipelines/base/README.md"
+    readme.write_text(readme.read_text().replace("_No metrics yet: run the pipeline._", "stale"))
+    assert paperline(smoke_repo, "report", "base").returncode == 0
+    text = readme.read_text()
+    assert "stale" not in text
+    acc = json.loads((smoke_repo / "metrics/evaluate.json").read_text())["greedy_acc_d2"]
+    assert f"| 2 | {100 * acc:.1f}%" in text  # rendered from the metrics file, not typed
 
 
 def test_restored_stage_creates_no_duplicate_run(smoke_repo: Path):

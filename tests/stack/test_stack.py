@@ -109,6 +109,11 @@ def test_stack_runs_a_deployment_from_the_api(tmp_path, monkeypatch, capsys):
             assert state.get("type") == "COMPLETED", (state, stack._log_tail(repo, "worker", 60))
             flow_run = client.get(f"/flow_runs/{flow_run_id}").json()
             assert flow_run["work_queue_name"] and dep["work_pool_name"] == stack.WORK_POOL
+            logs = client.post("/logs/filter", json={
+                "logs": {"flow_run_id": {"any_": [flow_run_id]}}, "limit": 200,
+                "sort": "TIMESTAMP_DESC"}).json()
+            warnings = "\n".join(x["message"] for x in logs
+                                 if x["level"] >= 30 or "MLflow" in x["message"])
 
         from mlflow import MlflowClient
 
@@ -125,8 +130,10 @@ def test_stack_runs_a_deployment_from_the_api(tmp_path, monkeypatch, capsys):
         stages = {r.data.tags.get("paperline.stage") for r in children}
         expected = {"tasks", "tokenizer", "base", "evaluate"} if real else {
             "a_1", "a_2", "b_1", "join"}
-        assert stages == expected
+        assert stages == expected, warnings
         if real:
+            found = ml.search_registered_models("name = 'base-arith'")
+            assert found, f"model base-arith not registered; flow warnings:\n{warnings}"
             version = ml.get_model_version_by_alias("base-arith", "champion")
             assert version.run_id in {r.info.run_id for r in children}
         assert (repo / "dvc.lock").is_file()
