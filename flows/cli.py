@@ -128,7 +128,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     pipeline = _pipelines(root, args.pipeline, False)[0]
     _check(root, pipeline)
     summary = run_pipeline(root, pipeline, targets=args.stage or None,
-                           max_parallel=args.max_parallel, retries=args.retries, force=args.force)
+                           max_parallel=args.max_parallel, retries=args.retries, force=args.force,
+                           gpu_slots=args.gpu_slots)
     failed = [s for s, v in summary.items() if isinstance(v, dict) and v.get("state") == "failed"]
     return 1 if failed else 0
 
@@ -169,9 +170,7 @@ def cmd_stack(args: argparse.Namespace) -> int:
     elif args.action == "down":
         stack.down(root)
     else:
-        status = stack.status(root)
-        for name, info in status.items():
-            print(f"{name:<10} {info}")
+        print(stack.describe(stack.status(root)))
     return 0
 
 
@@ -199,6 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-parallel", type=int, default=2)
     p.add_argument("--retries", type=int, default=1)
     p.add_argument("--force", action="store_true")
+    p.add_argument("--gpu-slots", type=int, default=None,
+                   help="slots of the paperline-gpu concurrency limit (stages with meta.gpus)")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("compare", help="registered models and runs side by side")
@@ -221,6 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    for noisy in ("httpx", "httpcore", "matplotlib", "alembic"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

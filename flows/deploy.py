@@ -14,6 +14,7 @@ The Prefect API is `PREFECT_API_URL` if set, else the local stack's server when 
 from __future__ import annotations
 
 import contextlib
+import io
 from pathlib import Path
 from typing import Iterator
 
@@ -45,7 +46,8 @@ def ensure_work_pool(name: str, pool_type: str = "process") -> None:
         try:
             pool = client.read_work_pool(name)
             if pool.type != pool_type:
-                raise ValueError(f"work pool {name!r} has type {pool.type!r}, expected {pool_type!r}")
+                raise ValueError(f"work pool {name!r} has type {pool.type!r}, "
+                                 f"expected {pool_type!r}")
         except ObjectNotFound:
             with contextlib.suppress(ObjectAlreadyExists):
                 client.create_work_pool(WorkPoolCreate(name=name, type=pool_type))
@@ -85,9 +87,10 @@ def deploy_all(root: Path, work_pool: str = "paperline-cpu",
             params = {"pipeline": slug}
             if src != root:
                 params["root"] = str(root)
-            flow.deploy(name=f"paperline-{slug}", work_pool_name=work_pool, parameters=params,
-                        description=f"paperline pipeline {slug!r}: its DVC DAG run by Prefect",
-                        tags=["paperline", slug], print_next_steps=False,
-                        ignore_warnings=True)
+            with contextlib.redirect_stdout(io.StringIO()):  # Prefect's table; we name them
+                flow.deploy(name=f"paperline-{slug}", work_pool_name=work_pool,
+                            parameters=params, tags=["paperline", slug],
+                            description=f"paperline pipeline {slug!r}: its DVC DAG run by Prefect",
+                            print_next_steps=False, ignore_warnings=True)
             names.append(f"{flow.name}/paperline-{slug}")
     return names

@@ -18,7 +18,10 @@ the main repo's cache. There `dvc repro <dvc.yaml>:<stage>` restores the upstrea
 shared run-cache (they ran earlier in this flow) and computes the stage, which commits its outputs
 to the cache and its entry to the run-cache. A last `dvc repro` in the main workspace then restores
 every output from the run-cache without recomputing, so the end state (outputs and dvc.lock) is
-the one a sequential `dvc repro` gives.
+the one a sequential `dvc repro` gives. Workspaces are reused (each file-locked while in use), link
+from the cache (`cache.type = reflink,hardlink,copy`, so they cost no disk for upstream outputs)
+and run with `core.no_scm`; the main repo's DVC skips them as nested repos. A stage process runs
+with `PAPERLINE_ROOT` and `PYTHONPATH` set to its workspace, so it runs the code DVC hashed.
 
 Run-cache rule (what dvc.yaml files must follow so nothing is computed twice): a stage is
 run-cacheable only when it has a `cmd`, at least one dep and at least one out (metrics/plots
@@ -39,7 +42,8 @@ of `route_stage()` (today: always this process).
 Tracking. One MLflow parent run per execution (`start_parent_run`, tags `prefect.flow_run_id`,
 `paperline.profile`); every stage process gets `PAPERLINE_PARENT_RUN_ID`, `PAPERLINE_FLOW_RUN_ID`
 and an explicit `MLFLOW_TRACKING_URI` (the main repo's store: a workspace must not log into a store
-of its own). Prefect result caching is off (`NO_CACHE`, no persisted results): DVC is the only cache.
+of its own). Prefect result caching is off (`NO_CACHE`, no persisted results): DVC is the only
+cache.
 
 `force=True` recomputes every stage of the plan in the workspaces. The final `dvc repro` in the
 main workspace keeps DVC's change detection: where the main workspace was already up to date it
@@ -76,7 +80,7 @@ MANIFEST = ".paperline-synced.json"
 class StagePlan:
     """One DVC stage as the flow schedules it."""
 
-    name: str                  # display / task run name: stage name, `<pipeline>:<stage>` if upstream
+    name: str                  # task run name: the stage name; `<pipeline>:<stage>` if upstream
     target: str                # what `dvc repro` takes: `<dvc.yaml relpath>:<stage name>`
     addressing: str            # how DVC names it in its own messages
     upstream: list[str]        # targets of the direct upstream stages within the plan

@@ -249,8 +249,10 @@ def up(root: Path, prefect_port: int | None = None, mlflow_port: int | None = No
         for name in reversed(started):
             _stop(root, name, 10.0)
         raise
-    say(f"stack up: Prefect UI {u['prefect']}  MLflow UI {u['mlflow']}  "
-        f"worker pool {WORK_POOL}  (state in {sdir.relative_to(root)})")
+    parts = {"prefect": f"Prefect UI {u['prefect']}", "mlflow": f"MLflow UI {u['mlflow']}",
+             "worker": f"worker pool {WORK_POOL}"}
+    say(f"stack up: {'  '.join(parts[c] for c in COMPONENTS if c in components)}  "
+        f"(state in {sdir.relative_to(root)})")
     return status(root)
 
 

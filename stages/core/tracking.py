@@ -58,8 +58,11 @@ def experiment_id(root: Path, pipeline: str) -> str:
     if exp is not None:
         return exp.experiment_id
     location = None
-    if not os.environ.get("MLFLOW_TRACKING_URI"):
-        art = root / ".paperline" / "mlflow" / "artifacts" / pipeline
+    uri = mlflow.get_tracking_uri()
+    if uri.startswith("sqlite:///"):
+        # A local store has no artifact server: keep artifacts beside the database (inside the
+        # main repo, also when a stage runs in a Prefect workspace), never in ./mlruns.
+        art = Path(uri[len("sqlite:///"):]).parent / "artifacts" / pipeline
         art.mkdir(parents=True, exist_ok=True)
         location = art.as_uri()
     try:

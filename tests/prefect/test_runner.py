@@ -181,7 +181,8 @@ def test_parallel_run_equals_sequential_repro_then_skips(prefect_server, tmp_pat
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         logs = "\n".join(_flow_logs(summary.flow_run_id))
-        if all(f"stage {n} says hello on {s}" in logs for n in summary for s in ("stdout", "stderr")):
+        if all(f"stage {n} says hello on {s}" in logs
+               for n in summary for s in ("stdout", "stderr")):
             break
         time.sleep(1)
     for n in summary:

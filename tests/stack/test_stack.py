@@ -112,12 +112,13 @@ def test_stack_runs_a_deployment_from_the_api(tmp_path, monkeypatch, capsys):
             logs = client.post("/logs/filter", json={
                 "logs": {"flow_run_id": {"any_": [flow_run_id]}}, "limit": 200,
                 "sort": "TIMESTAMP_DESC"}).json()
-            warnings = "\n".join(x["message"] for x in logs
+            warnings = "\n".join(x["message"] for x in reversed(logs)
                                  if x["level"] >= 30 or "MLflow" in x["message"])
 
         from mlflow import MlflowClient
 
-        ml = MlflowClient(tracking_uri=stack.mlflow_url(repo))
+        url = stack.mlflow_url(repo)  # registry too: an earlier mlflow.set_registry_uri may linger
+        ml = MlflowClient(tracking_uri=url, registry_uri=url)
         exp = ml.get_experiment_by_name("base")
         assert exp is not None
         parents = ml.search_runs([exp.experiment_id],
