@@ -80,6 +80,12 @@ def cmd_repro(args: argparse.Namespace) -> int:
     pipelines = _pipelines(root, args.pipeline, args.all)
     for p in pipelines:  # every params error surfaces before any compute
         _check(root, p)
+    if not os.environ.get("MLFLOW_TRACKING_URI"):
+        from flows import stack
+
+        if url := stack.mlflow_url(root):  # `paperline stack up`: runs show in its MLflow UI
+            os.environ["MLFLOW_TRACKING_URI"] = url
+            print(f"using the stack's MLflow server {url}")
     dvc = shutil.which("dvc") or str(Path(sys.executable).with_name("dvc"))
     for p in pipelines:
         parent = start_parent_run(root, p, tags={"paperline.executor": "dvc repro"})

@@ -105,12 +105,13 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     import polars as pl
 
     from stages.models.base import set_threads
+    from stages.tasks import load_split
     from stages.models.generate import generate, load_model
     from stages.tasks import get_family
 
     set_threads(0)
     family = get_family(cfg.family)
-    df = pl.read_parquet(ctx.path("tasks") / cfg.family / f"{cfg.split}.parquet")
+    df = load_split(ctx.path("tasks"), cfg.family, cfg.split)  # validated at the boundary
     if cfg.max_rows:
         df = df.head(cfg.max_rows)
     rows = df.to_dicts()

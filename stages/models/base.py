@@ -65,7 +65,11 @@ class Config(BaseModel):
     weight_decay: float = Field(0.01, ge=0, le=1, description="AdamW weight decay")
     adam_beta2: float = Field(0.98, gt=0, lt=1, description="AdamW beta2")
     max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping norm")
-    group_by_length: bool = Field(True, description="batch rows of similar length (less padding)")
+    pack_length: int = Field(0, ge=0, le=8192,
+                             description="pack examples into rows of this many tokens, each "
+                                         "attending only to itself (0: one padded example per row)")
+    group_by_length: bool = Field(False, description="batch examples of similar length; less "
+                                                     "padding but much slower learning here")
     max_train_rows: int | None = Field(None, ge=1, description="use at most this many train rows")
     # Bookkeeping.
     log_every: int = Field(50, ge=1, description="log training loss every N steps")
@@ -117,6 +121,68 @@ class CompletionCollator:
             labels[i, :n] = torch.tensor(r["labels"])
             mask[i, :n] = 1
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def pack_rows(rows: list[dict[str, list[int]]], pack_length: int,
+              pad_id: int) -> list[dict[str, list[int]]]:
+    """Best-fit pack examples into rows of at most `pack_length` tokens.
+
+    Each packed row carries `position_ids` that restart at 0 for every example; transformers
+    turns such restarts into a block-diagonal causal mask (`find_packed_sequence_indices`), so
+    an example attends only to itself and the packed batch computes exactly the per-example
+    losses of the unpacked one, without the padding. The first token of each example is its
+    `<bos>` with label -100, so no loss crosses an example boundary.
+    """
+    too_long = max(len(r["input_ids"]) for r in rows)
+    if too_long > pack_length:
+        raise ValueError(f"pack_length = {pack_length}: shorter than the longest example "
+                         f"({too_long} tokens)")
+    bins: list[list[int]] = []                       # example indices per packed row
+    free: list[list[int]] = [[] for _ in range(pack_length + 1)]  # room -> open bins
+    for i, r in enumerate(rows):
+        n = len(r["input_ids"])
+        room = next((c for c in range(n, pack_length + 1) if free[c]), None)
+        if room is None:
+            bins.append([])
+            b, room = len(bins) - 1, pack_length
+        else:
+            b = free[room].pop()
+        bins[b].append(i)
+        free[room - n].append(b)
+    packed = []
+    for members in bins:
+        ids, labels, pos = [], [], []
+        for i in members:
+            ids += rows[i]["input_ids"]
+            labels += rows[i]["labels"]
+            pos += list(range(len(rows[i]["input_ids"])))
+        packed.append({"input_ids": ids, "labels": labels, "position_ids": pos})
+    return packed
+
+
+class PackedCollator:
+    """Right-pads packed rows; the padding is one more 'example' whose labels are -100.
+
+    No attention mask is passed: with `position_ids` alone transformers builds the packed
+    (block-diagonal causal) mask."""
+
+    def __init__(self, pad_id: int):
+        self.pad_id = pad_id
+
+    def __call__(self, rows: list[dict[str, list[int]]]) -> dict[str, Any]:
+        import torch
+
+        width = max(len(r["input_ids"]) for r in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        labels = torch.full((len(rows), width), -100, dtype=torch.long)
+        pos = torch.arange(width, dtype=torch.long).repeat(len(rows), 1)
+        for i, r in enumerate(rows):
+            n = len(r["input_ids"])
+            ids[i, :n] = torch.tensor(r["input_ids"])
+            labels[i, :n] = torch.tensor(r["labels"])
+            pos[i, :n] = torch.tensor(r["position_ids"])
+            pos[i, n:] = torch.arange(width - n)
+        return {"input_ids": ids, "labels": labels, "position_ids": pos}
 
 
 def completion_loss(model: Any, rows: list[dict[str, list[int]]], pad_id: int,
@@ -204,9 +270,18 @@ def train(cfg: Config, model: Any, tokenizer: Any, rows: list[dict[str, list[int
                 ctx.log_metrics(vals, step=state.global_step)
 
     with tempfile.TemporaryDirectory(prefix="paperline-base-") as scratch:
+        if cfg.pack_length:
+            dataset = pack_rows(rows, cfg.pack_length, tokenizer.pad_token_id)
+            collator: Any = PackedCollator(tokenizer.pad_token_id)
+            # `batch_size` counts examples: take as many packed rows as hold that many.
+            per_row = len(rows) / len(dataset)
+            per_step = max(1, round(cfg.batch_size / per_row))
+        else:
+            dataset, collator, per_step = rows, CompletionCollator(tokenizer.pad_token_id), cfg.batch_size
+        model.config.use_cache = False  # no KV cache in training (and packed masks need none)
         args = TrainingArguments(
             output_dir=str(output_dir or scratch), max_steps=cfg.steps,
-            per_device_train_batch_size=cfg.batch_size, learning_rate=cfg.lr,
+            per_device_train_batch_size=per_step, learning_rate=cfg.lr,
             lr_scheduler_type="cosine_with_min_lr",
             lr_scheduler_kwargs={"min_lr_rate": cfg.min_lr_ratio},
             warmup_steps=cfg.warmup, weight_decay=cfg.weight_decay, adam_beta2=cfg.adam_beta2,
@@ -216,8 +291,7 @@ def train(cfg: Config, model: Any, tokenizer: Any, rows: list[dict[str, list[int
             use_cpu=not torch.cuda.is_available(), bf16=False,
             seed=seed, data_seed=seed, dataloader_pin_memory=False, remove_unused_columns=False,
             disable_tqdm=False)
-        trainer = Trainer(model=model, args=args, train_dataset=rows,
-                          data_collator=CompletionCollator(tokenizer.pad_token_id),
+        trainer = Trainer(model=model, args=args, train_dataset=dataset, data_collator=collator,
                           callbacks=[ForwardLogs()])
         started = time.perf_counter()
         result = trainer.train()
@@ -225,26 +299,30 @@ def train(cfg: Config, model: Any, tokenizer: Any, rows: list[dict[str, list[int
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     tail = losses[-max(1, len(losses) // 10):] or [float("nan")]
     # Tokens actually fed (padding excluded) over the steps taken: rows are drawn uniformly.
-    mean_len = sum(len(r["input_ids"]) for r in rows) / len(rows)
-    tokens = mean_len * cfg.batch_size * result.global_step
+    mean_len = sum(len(r["input_ids"]) for r in dataset) / len(dataset)
+    tokens = mean_len * per_step * result.global_step
+    model.config.use_cache = True
     return {"train_loss": sum(tail) / len(tail), "train_seconds": seconds,
             "train_steps": float(result.global_step), "train_tokens": tokens,
-            "train_tokens_per_s": tokens / seconds, "epochs": cfg.batch_size *
-            result.global_step / len(rows)}
+            "train_tokens_per_s": tokens / seconds,
+            "epochs": per_step * result.global_step / len(dataset)}
 
 
 def run(cfg: Config, ctx: Any) -> dict[str, float]:
+    from stages.tasks import load_split
     import polars as pl
     from transformers import AutoTokenizer, set_seed
 
     threads = set_threads(cfg.num_threads)
     set_seed(ctx.seed)
     tasks = ctx.path("tasks") / cfg.family
-    train_df = pl.read_parquet(tasks / "train.parquet", columns=["prompt", "target"])
+    # Inputs validated at the stage boundary (great-expectations suite of the family).
+    train_df = load_split(ctx.path("tasks"), cfg.family, "train").select("prompt", "target")
     if cfg.max_train_rows:
         train_df = train_df.head(cfg.max_train_rows)
     val_path = tasks / "val.parquet"
-    val_df = pl.read_parquet(val_path, columns=["prompt", "target"]) if val_path.is_file() else None
+    val_df = (load_split(ctx.path("tasks"), cfg.family, "val").select("prompt", "target")
+              if val_path.is_file() else None)
 
     if cfg.init == "pretrained":
         model, tokenizer = load_pretrained(cfg.pretrained_path or "")

@@ -58,15 +58,13 @@ def build_tokenizer(chars: set[str] | str) -> Any:
 
 
 def train_chars(tasks_dir: Path, families: list[str], columns: list[str]) -> set[str]:
-    import polars as pl
+    from stages.tasks import load_split
 
     chars: set[str] = set()
     for family in families:
-        path = tasks_dir / family / "train.parquet"
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}: train split of family {family!r} is missing "
-                                    f"(run the `tasks` stage first)")
-        df = pl.read_parquet(path, columns=columns)
+        # Validated at the stage boundary: a missing, truncated or schema-violating split fails
+        # here naming the file, column and rule.
+        df = load_split(tasks_dir, family, "train").select(columns)
         for col in columns:
             for text in df[col].unique().to_list():
                 chars.update(text)
