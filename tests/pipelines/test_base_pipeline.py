@@ -130,7 +130,9 @@ def test_exp_run_switches_profile(repo_copy: Path):
     out = dvc(repo_copy, "exp", "run", "-S", "profile=smoke", "tasks").stdout
     assert "Running stage 'tasks'" in out
     lock = yaml.safe_load((repo_copy / "dvc.lock").read_text())
-    assert lock["stages"]["tasks"]["params"]["params.yaml"]["profile" if False else "profiles.smoke.tasks"] is not None
+    tracked = lock["stages"]["tasks"]["params"]["params.yaml"]
+    assert "profiles.smoke.tasks" in tracked and "profiles.cpu.tasks" not in tracked
+    assert json.loads((repo_copy / "metrics/tasks.json").read_text())["arith_train_rows"] == 200
 
 
 def test_bad_params_fail_before_compute(repo_copy: Path):

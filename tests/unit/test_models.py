@@ -57,6 +57,24 @@ def test_sft_rows_label_only_the_completion_and_eos(tokenizer):
     assert (batch["labels"][1, 2:] == -100).all()
 
 
+def test_packed_rows_compute_exactly_the_per_example_loss(tokenizer):
+    """Packing relies on transformers turning position_ids restarts into a block-diagonal
+    mask (only without a KV cache); if that ever changes, examples would see each other."""
+    torch.manual_seed(0)
+    model = base.build_model(tiny_cfg(), tokenizer)
+    model.config.use_cache = False
+    rows = base.encode_sft_rows(tokenizer, PROMPTS * 3, TARGETS * 3, max_len=64)
+    packed = base.pack_rows(rows, 100, tokenizer.pad_token_id)
+    assert sum(len(r["input_ids"]) for r in packed) == sum(len(r["input_ids"]) for r in rows)
+    assert len(packed) < len(rows) and max(len(r["input_ids"]) for r in packed) <= 100
+    with torch.no_grad():
+        loss_packed = model(**base.PackedCollator(tokenizer.pad_token_id)(packed)).loss
+        loss_padded = model(**base.CompletionCollator(tokenizer.pad_token_id)(rows)).loss
+    assert loss_packed.item() == pytest.approx(loss_padded.item(), rel=1e-5)
+    with pytest.raises(ValueError, match="pack_length"):
+        base.pack_rows(rows, 10, tokenizer.pad_token_id)
+
+
 def test_training_changes_every_parameter_and_lowers_the_loss(tokenizer):
     torch.manual_seed(0)
     cfg = tiny_cfg()
