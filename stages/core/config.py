@@ -149,7 +149,8 @@ def resolve_paths(paths: dict[str, Any], base_dir: Path, source: str) -> dict[st
         if not isinstance(value, str) or not value:
             raise ParamsError(f"{source}: paths.{name} = {value!r}: expected a relative path string")
         p = Path(value)
-        if p.is_absolute() or ".." in p.parts and base_dir is None:
-            raise ParamsError(f"{source}: paths.{name} = {value!r}: expected a path inside the repo")
+        if p.is_absolute():
+            raise ParamsError(f"{source}: paths.{name} = {value!r}: expected a path relative to "
+                              f"the params file's folder")
         out[name] = (base_dir / p).resolve()
     return out

@@ -120,7 +120,6 @@ def stage_key(ctx: Any, cfg: Any) -> str:
 def stage_deps(ctx: Any) -> list[Path]:
     """The stage's `deps` as DVC resolves them (templated paths), absolute."""
     try:
-        from dvc.parsing import DataResolver  # noqa: F401  (DVC's own templating)
         from dvc.repo import Repo
 
         with Repo(str(ctx.root), uninitialized=False) as repo:

@@ -108,7 +108,7 @@ def test_restored_stage_creates_no_duplicate_run(smoke_repo: Path):
     shutil.rmtree(smoke_repo / "models/base")
     out = dvc(smoke_repo, "repro").stdout
     assert (smoke_repo / "models/base/config.json").is_file()
-    assert ran(out) == set() or "restored" in out.lower() or "Restored" in out
+    assert ran(out) == set(), out  # restored from the run-cache: no stage process ran
     assert len(client.search_runs([exp.experiment_id])) == before
 
 
@@ -168,7 +168,8 @@ def test_corrupt_data_fails_at_the_stage_boundary(repo_copy: Path):
     proc = dvc(repo_copy, "repro", "--downstream", "tokenizer", check=False)
     assert proc.returncode != 0
     err = proc.stdout + proc.stderr
-    assert "train.parquet" in err and "target" in err
+    assert "train.parquet" in err and "'target'" in err and "rule 'column exists'" in err
+    assert "Traceback" not in err
     assert not (repo_copy / "models").exists()  # neither tokenizer nor base ran
 
 
