@@ -25,9 +25,9 @@ END = "<!-- results:end -->"
 # --------------------------------------------------------------------------- report (DVC metrics)
 
 def load_metrics(root: Path, pipeline: str) -> dict[str, dict[str, Any]]:
-    """stage -> metrics dict, read from `<paths.metrics>/<stage>.json` of the pipeline."""
+    """stage -> metrics dict, read from `<metrics_dir>/<stage>.json` of the pipeline."""
     ctx, _, _ = build_context(root, pipeline, "report")
-    mdir = ctx.path("metrics")
+    mdir = ctx.metrics_dir
     out: dict[str, dict[str, Any]] = {}
     if mdir.is_dir():
         for f in sorted(mdir.glob("*.json")):
@@ -153,8 +153,8 @@ def compare(root: Path, pipeline: str, out_dir: Path | None = None) -> tuple[str
         latest: dict[tuple[str, str, str, str], Any] = {}
         for run in runs:
             tags = run.data.tags
-            if "paperline.stage" not in tags:
-                continue
+            if "paperline.stage" not in tags or tags.get("paperline.aggregate") == "true":
+                continue  # a stage whose (method, seed) child runs carry the numbers
             key = (tags.get("paperline.profile", ""), tags["paperline.stage"],
                    tags.get("paperline.method", tags["paperline.stage"]),
                    tags.get("paperline.seed", ""))

@@ -15,10 +15,23 @@ STAGES: dict[str, dict[str, str]] = {
         "base": "stages.models.base",
         "evaluate": "stages.evaluate.accuracy",
     },
+    # R²VPO (ratio-variance constraint) vs clipped GRPO/PPO: every LLM arm is the shared GRPO
+    # trainer with its own params section; `control` is the SB3 continuous-control arm.
+    "r2vpo": {
+        "prompts": "stages.tasks.prompts",
+        "grpo": "stages.train.grpo",
+        "grpo_replay": "stages.train.grpo",
+        "r2vpo": "stages.train.grpo",
+        "r2vpo_fixed_lambda": "stages.train.grpo",
+        "r2vpo_no_replay": "stages.train.grpo",
+        "control": "stages.train.control",
+        "compare": "stages.evaluate.rl_compare",
+    },
 }
 
 # How each pipeline's README results table is rendered from its DVC metrics ("module:function"
 # taking {stage: metrics} and returning markdown). Pipelines not listed get a plain table.
 REPORTS: dict[str, str] = {
     "base": "stages.evaluate.report:base_results_table",
+    "r2vpo": "stages.evaluate.rl_compare:results_table",
 }

@@ -31,9 +31,17 @@ class Context:
         return self.paths[name]
 
     @property
+    def metrics_dir(self) -> Path:
+        """`<paths.metrics>` for the shared stages; `pipelines/<slug>/metrics` for a paper's
+        pipeline (its dvc.yaml declares `metrics/<stage>.json`, relative to its own folder)."""
+        if self.pipeline_dir != self.root:
+            return self.pipeline_dir / "metrics"
+        return self.path("metrics")
+
+    @property
     def metrics_path(self) -> Path:
-        """Where the stage's returned metrics land for DVC: `<paths.metrics>/<stage>.json`."""
-        return self.path("metrics") / f"{self.stage}.json"
+        """Where the stage's returned metrics land for DVC: `<metrics_dir>/<stage>.json`."""
+        return self.metrics_dir / f"{self.stage}.json"
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         if self.tracker is not None:

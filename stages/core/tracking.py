@@ -15,14 +15,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import re
 import subprocess
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 log = logging.getLogger("paperline.tracking")
 
@@ -224,9 +226,9 @@ class StageTracker:
 
             self._mlflow.log_artifacts(str(local_dir), "model")
             client = MlflowClient()
-            tags = {**(tags or {}), "paperline.model_sha": model_fingerprint(Path(local_dir)),
-                    "paperline.pipeline": self.ctx.pipeline, "paperline.profile": self.ctx.profile,
-                    "paperline.seed": str(self.ctx.seed)}
+            tags = {"paperline.pipeline": self.ctx.pipeline, "paperline.profile": self.ctx.profile,
+                    "paperline.seed": str(self.ctx.seed), **(tags or {}),
+                    "paperline.model_sha": model_fingerprint(Path(local_dir))}
             try:
                 client.create_registered_model(name)
             except Exception:
@@ -264,6 +266,23 @@ class StageTracker:
         except Exception as exc:
             self._fail("annotate_model", exc)
             return 0
+
+    @contextlib.contextmanager
+    def method_run(self, group: str, method: str, seed: int,
+                   params: dict[str, Any] | None = None) -> Iterator["MethodRun"]:
+        """A child run for one (method, seed) of a comparison, e.g. one RL arm on one seed.
+
+        `paperline compare` puts runs with the same `group` in one table, methods as columns,
+        mean +- std over seeds. The stage's own run is then tagged `paperline.aggregate` so it
+        does not show up as a one-column table of its own. A no-op when tracking is off.
+        """
+        run = MethodRun(self, group, method, seed, params)
+        try:
+            yield run
+        except BaseException:
+            run.end("FAILED")
+            raise
+        run.end("FINISHED")
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if self._mlflow is None:
@@ -323,3 +342,55 @@ def end_parent_run(root: Path, run_id: str | None, ok: bool) -> None:
         MlflowClient().set_terminated(run_id, status="FINISHED" if ok else "FAILED")
     except Exception as exc:
         log.warning("MLflow tracking unavailable (end parent run): %s", exc)
+
+
+class MethodRun:
+    """One (method, seed) child run under a stage run; see `StageTracker.method_run`."""
+
+    def __init__(self, tracker: StageTracker, group: str, method: str, seed: int,
+                 params: dict[str, Any] | None):
+        self.tracker = tracker
+        self.run_id: str | None = None
+        if not (tracker.ok and tracker._mlflow and tracker.run_id):
+            return
+        try:
+            from mlflow import MlflowClient
+
+            client = MlflowClient()
+            parent = client.get_run(tracker.run_id)
+            client.set_tag(tracker.run_id, "paperline.aggregate", "true")
+            tags = {"mlflow.parentRunId": tracker.run_id, "mlflow.runName": f"{method}/seed{seed}",
+                    "paperline.pipeline": tracker.ctx.pipeline, "paperline.stage": group,
+                    "paperline.method": method, "paperline.seed": str(seed),
+                    "paperline.profile": tracker.ctx.profile,
+                    "paperline.source_stage": tracker.ctx.stage,
+                    "dvc.stage_key": parent.data.tags.get("dvc.stage_key", "")}
+            run = client.create_run(parent.info.experiment_id, tags=tags)
+            self.run_id = run.info.run_id
+            self._client = client
+            if params:
+                for k, v in _flatten(params).items():
+                    client.log_param(self.run_id, mlflow_key(k), str(v)[:500])
+        except Exception as exc:
+            tracker._fail("method_run", exc)
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        if self.run_id is None:
+            return
+        try:
+            from mlflow.entities import Metric
+
+            now = int(time.time() * 1000)
+            self._client.log_batch(self.run_id, metrics=[
+                Metric(mlflow_key(k), float(v), now, int(step or 0)) for k, v in metrics.items()])
+        except Exception as exc:
+            self.tracker._fail("method_run.log_metrics", exc)
+
+    def end(self, status: str) -> None:
+        if self.run_id is None:
+            return
+        try:
+            self._client.set_terminated(self.run_id, status=status)
+        except Exception as exc:
+            self.tracker._fail("method_run.end", exc)
+        self.run_id = None
