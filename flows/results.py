@@ -88,7 +88,8 @@ def update_readme(root: Path, pipeline: str) -> Path:
     readme = readme_for(root, pipeline)
     table = results_table(root, pipeline)
     ctx, _, _ = build_context(root, pipeline, "report")
-    block = f"{START}\nProfile `{ctx.profile}`, from `{ctx.path('metrics').relative_to(root)}/`.\n\n{table}\n{END}"
+    block = (f"{START}\nProfile `{ctx.profile}`, from `{ctx.metrics_dir.relative_to(root)}/`.\n\n"
+             f"{table}\n{END}")
     text = readme.read_text() if readme.exists() else f"# {pipeline}\n\n## Results\n\n"
     if START in text and END in text:
         head, rest = text.split(START, 1)
