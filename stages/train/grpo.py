@@ -79,6 +79,14 @@ class GRPOParams(BaseModel):
                                                            "for both losses (fixed across arms)")
     max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping")
     r2vpo: R2VPOParams = Field(default_factory=R2VPOParams)
+    bonus: Literal["none", "indiv", "length"] = Field(
+        "none", description="extra reward on correct responses: indiv = H-GRPO's w * z_G(InDiv) "
+                            "(stages.train.hsir); length = -w * z_G(length), the length-penalty "
+                            "baseline")
+    bonus_weight: float = Field(0.2, ge=0, le=10, description="w of the bonus (H-GRPO: 0.2)")
+    indiv_method: Literal["eigenscore", "spectral_entropy"] = Field(
+        "eigenscore", description="InDiv formula [reconstructed] (bonus: indiv)")
+    indiv_layer: int | Literal["middle"] = Field(-1, description="hidden layer InDiv reads")
     eval_every: int = Field(10, ge=1, description="rounds between held-out greedy evaluations")
     eval_rows: int | None = Field(200, ge=1, description="held-out prompts evaluated (None: all)")
     eval_batch_size: int = Field(256, ge=1, le=8192, description="sequences decoded together")
@@ -123,6 +131,45 @@ def verifier_reward(family: str) -> Callable[..., list[float]]:
 
     correct.__name__ = "correct"  # TRL logs it as rewards/correct/mean = training accuracy
     return correct
+
+
+def bonus_reward(kind: str, weight: float, group_size: int, family: str, model: Any,
+                 tokenizer: Any, method: str = "eigenscore", layer: Any = -1
+                 ) -> Callable[..., list[float]]:
+    """The bonus part of the reward, added by TRL to the verifier's 0/1 (rewards are summed).
+
+    TRL passes the completions of a generation batch in groups of G consecutive responses to one
+    prompt, which is what the within-group z-score needs.
+      indiv   H-GRPO (hsir spec §2 [reconstructed form]): w * z_G(InDiv) on correct responses,
+              InDiv from the *current* policy's hidden states and attention.
+      length  the length-penalty baseline: -w * z_G(completion length) on correct responses.
+    """
+    from stages.tasks import get_family
+    from stages.train import hsir
+
+    fam = get_family(family)
+
+    def bonus(prompts: list[str], completions: list[str], answer: list[int],
+              **_: Any) -> list[float]:
+        correct = [fam.verify_answer({"answer": a}, c) for c, a in zip(completions, answer)]
+        if kind == "indiv":
+            import torch
+
+            was_training = model.training
+            model.eval()
+            try:
+                with torch.no_grad():
+                    score = hsir.indiv_scores(model, tokenizer, prompts, completions,
+                                              layer=layer, method=method)
+            finally:
+                model.train(was_training)
+        else:
+            score = [-float(len(c)) for c in completions]
+        total = hsir.hgrpo_rewards(correct, score, group_size, w=weight)
+        return [t - float(c) for t, c in zip(total, correct)]  # the bonus only
+
+    bonus.__name__ = f"{kind}_bonus"
+    return bonus
 
 
 # --- replay ---------------------------------------------------------------------------------
@@ -303,6 +350,20 @@ def greedy_accuracy(model: Any, tokenizer: Any, rows: list[dict[str, Any]], fami
     return sum(ok) / max(1, len(ok)), sum(len(o[0]) for o in outs) / max(1, len(outs))
 
 
+def tokens_per_solved(model: Any, tokenizer: Any, rows: list[dict[str, Any]], family: str,
+                      max_new_tokens: int, batch_size: int) -> float:
+    """Mean generated tokens over the greedy completions that are correct (HSIR's overhead)."""
+    from stages.models.generate import generate
+    from stages.tasks import get_family
+
+    fam = get_family(family)
+    outs = generate(model, tokenizer, [r["prompt"] for r in rows],
+                    max_new_tokens=max_new_tokens, batch_size=batch_size)
+    lengths = [len(tokenizer(o[0], add_special_tokens=False)["input_ids"])
+               for r, o in zip(rows, outs) if fam.verify_answer(r, o[0])]
+    return sum(lengths) / len(lengths) if lengths else 0.0
+
+
 def train_grpo(params: GRPOParams, model_dir: Path, family: str,
                train_rows: list[dict[str, Any]], eval_rows: list[dict[str, Any]], seed: int,
                out_dir: Path, log: Callable[[dict[str, float], int], None] | None = None
@@ -369,8 +430,12 @@ def train_grpo(params: GRPOParams, model_dir: Path, family: str,
             bf16=False, gradient_checkpointing=False, seed=seed, data_seed=seed,
             dataloader_pin_memory=False, disable_tqdm=True, shuffle_dataset=True)
         cls = _trainer_class()
-        trainer = cls(model=model, processing_class=tokenizer,
-                      reward_funcs=[verifier_reward(family)], args=config,
+        rewards = [verifier_reward(family)]
+        if params.bonus != "none":
+            rewards.append(bonus_reward(params.bonus, params.bonus_weight,
+                                        params.num_generations, family, model, tokenizer,
+                                        params.indiv_method, params.indiv_layer))
+        trainer = cls(model=model, processing_class=tokenizer, reward_funcs=rewards, args=config,
                       train_dataset=dataset, callbacks=[Hooks()], params=params)
         trainer_ref["trainer"] = trainer
         evaluate(0, 0)

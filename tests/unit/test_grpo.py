@@ -182,3 +182,21 @@ def test_train_grpo_changes_the_policy_and_counts_rollouts(policy, tmp_path, pol
     if policy_loss == "r2vpo":
         assert state["dual"]["lam"] != 0.1  # the multiplier moved
         assert "train/r2vpo/lambda" in keys and "train/replay_rows" in keys
+
+
+def test_length_bonus_by_hand():
+    """-w * z_G(length) on correct responses only; wrong ones get no bonus."""
+    bonus = grpo.bonus_reward("length", 0.2, 2, "arith", model=None, tokenizer=None)
+    out = bonus(prompts=["p"] * 4, completions=[" #### 3", " 1+2=3 #### 3", " #### 3", " #### 4"],
+                answer=[3, 3, 3, 3])
+    assert out == pytest.approx([0.2, -0.2, 0.0, 0.0])  # group 2: one correct -> z over both
+
+
+def test_indiv_bonus_runs_on_the_policy(policy):
+    from stages.models.generate import load_model
+
+    model, tokenizer = load_model(policy)
+    bonus = grpo.bonus_reward("indiv", 0.2, 2, "arith", model, tokenizer)
+    comps = [" 1+2=3 #### 3", " 1+2=3; check 1+2=3; check 1+2=3 #### 3"]
+    out = bonus(prompts=["Q: 1+2=? A:"] * 2, completions=comps, answer=[3, 3])
+    assert len(out) == 2 and out[0] == pytest.approx(-out[1]) and abs(out[0]) == pytest.approx(0.2)
