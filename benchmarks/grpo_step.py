@@ -7,10 +7,12 @@ Same model, same prompts, same seed, same budget (prompts x G per round, minibat
   clip       paperline's VerifierGRPOTrainer with TRL's clipped loss + ratio diagnostics
   r2vpo      the R²VPO loss and dual step, fresh data only
   r2vpo+rep  R²VPO with 2 rounds of replay (each step also trains on replayed rows)
+  h-grpo     clipped GRPO + H-GRPO's InDiv reward bonus (one extra forward pass with attentions
+             over each round's completions)
 Runs alternate (stock, clip, r2vpo, r2vpo+rep, stock, ...) `--repeats` times so machine noise
 hits every arm alike; the ratios are of the medians. Also reports rollout tokens/s (completion
 tokens generated per second of training wall time). Writes the "GRPO step" section of
-benchmarks/RESULTS.md. Target (issue 4): R²VPO at most 1.1x the stock step.
+benchmarks/RESULTS.md. Target (issue 4): R²VPO and H-GRPO at most 1.1x the stock step.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ def one_run(kind: str, model_dir: Path, rows: list[dict], args: argparse.Namespa
     set_seed(0)
     model, tokenizer = load_model(model_dir)
     model.train()
-    params = GRPOParams(policy_loss="clip" if kind in ("stock", "clip") else "r2vpo",
+    params = GRPOParams(policy_loss="r2vpo" if kind.startswith("r2vpo") else "clip",
+                        bonus="indiv" if kind == "h-grpo" else "none",
                         replay_batches=2 if kind == "r2vpo+rep" else 0,
                         prompts_per_round=args.prompts, num_generations=args.generations,
                         minibatches=2, num_iterations=4, max_completion_length=64)
@@ -58,8 +61,13 @@ def one_run(kind: str, model_dir: Path, rows: list[dict], args: argparse.Namespa
             gradient_checkpointing=False, save_strategy="no", disable_tqdm=True, seed=0,
             logging_steps=10**6)
         ds = Dataset.from_list([{"prompt": r["prompt"], "answer": int(r["answer"])} for r in rows])
+        rewards = [verifier_reward("arith")]
+        if kind == "h-grpo":
+            from stages.train.grpo import bonus_reward
+
+            rewards.append(bonus_reward("indiv", 0.2, args.generations, "arith", model, tokenizer))
         common = dict(model=model, processing_class=tokenizer, args=config, train_dataset=ds,
-                      reward_funcs=[verifier_reward("arith")])
+                      reward_funcs=rewards)
         trainer = (GRPOTrainer(**common) if kind == "stock"
                    else _trainer_class()(**common, params=params))
         started = time.perf_counter()
@@ -86,7 +94,7 @@ def main() -> None:
     if not (model_dir / "config.json").is_file():
         sys.exit(f"{model_dir}: no model; run `make run PIPELINE=base` first")
     rows = arith.generate(arith.Config(min_operands=4, max_operands=5), 256, "bench")
-    kinds = ["stock", "clip", "r2vpo", "r2vpo+rep"]
+    kinds = ["stock", "clip", "r2vpo", "r2vpo+rep", "h-grpo"]
     results: dict[str, list[dict]] = {k: [] for k in kinds}
     for _ in range(args.repeats):
         for kind in kinds:
@@ -107,7 +115,7 @@ def main() -> None:
             "\n\nA step includes its share of generation (one round's sampling is amortised over "
             "its 8 steps). `r2vpo+rep` trains on 3x the rows per step (fresh + 2 replayed rounds) "
             "at the same rollout budget, so its step is not comparable at equal work; the 1.1x "
-            "target applies to `r2vpo`.\n")
+            "target applies to `r2vpo` and `h-grpo`.\n")
     print(body)
     if not args.no_write:
         write_section("GRPO step", body)
