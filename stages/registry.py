@@ -27,6 +27,24 @@ STAGES: dict[str, dict[str, str]] = {
         "control": "stages.train.control",
         "compare": "stages.evaluate.rl_compare",
     },
+    # HSIR (VeriExit + InDiv self-improvement) vs STaR / ReST-EM / a length filter, and H-GRPO vs
+    # GRPO / GRPO + length penalty: every self-training arm is `self_improve` with its own pool
+    # rule, every RL arm the shared GRPO trainer with its own reward bonus.
+    "hsir": {
+        "prompts": "stages.tasks.prompts",
+        "hard_prompts": "stages.tasks.prompts",
+        "seed_sft": "stages.train.hsir_seed",
+        "star": "stages.train.self_improve",
+        "rest_em": "stages.train.self_improve",
+        "veriexit": "stages.train.self_improve",
+        "indiv": "stages.train.self_improve",
+        "hsir": "stages.train.self_improve",
+        "length_filter": "stages.train.self_improve",
+        "grpo": "stages.train.grpo",
+        "h_grpo": "stages.train.grpo",
+        "grpo_length": "stages.train.grpo",
+        "compare": "stages.evaluate.hsir_compare",
+    },
 }
 
 # How each pipeline's README results table is rendered from its DVC metrics ("module:function"
@@ -34,4 +52,5 @@ STAGES: dict[str, dict[str, str]] = {
 REPORTS: dict[str, str] = {
     "base": "stages.evaluate.report:base_results_table",
     "r2vpo": "stages.evaluate.rl_compare:results_table",
+    "hsir": "stages.evaluate.hsir_compare:results_table",
 }
