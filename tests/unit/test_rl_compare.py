@@ -33,15 +33,16 @@ def test_rollouts_to_reach_and_auc_by_hand():
 def test_summarize_by_hand():
     curves = {
         "grpo": {0: [(0.0, 0.2), (100.0, 0.4)], 1: [(0.0, 0.2), (100.0, 0.6)]},
-        "r2vpo": {0: [(0.0, 0.2), (50.0, 0.5), (100.0, 0.6)],
+        "r2vpo": {0: [(0.0, 0.2), (50.0, 0.55), (100.0, 0.6)],
                   1: [(0.0, 0.2), (50.0, 0.3), (100.0, 0.6)]},
     }
     m = summarize(curves, "grpo", reach_frac=0.8)
-    assert m["reach_level"] == pytest.approx(0.48)          # 0.8 * best final mean (0.6)
+    # start 0.2, best final mean 0.6: 0.2 + 0.8 * (0.6 - 0.2)
+    assert m["reach_level"] == pytest.approx(0.52) and m["start_acc"] == pytest.approx(0.2)
     assert m["grpo/final_acc_mean"] == pytest.approx(0.5)
     assert m["grpo/final_acc_std"] == pytest.approx(0.1)
     assert m["r2vpo/gain_vs_grpo"] == pytest.approx(0.2)     # (0.6 - 0.5) / 0.5
-    # grpo seed 0 never reaches 0.48 (counts the budget, 100), seed 1 at 100
+    # grpo seed 0 never reaches 0.52 (counts the budget, 100), seed 1 at 100
     assert m["grpo/rollouts_to_reach_mean"] == 100.0 and m["grpo/reached_frac"] == 0.5
     assert m["r2vpo/rollouts_to_reach_mean"] == pytest.approx(75.0)  # 50 and 100
     assert m["r2vpo/reached_frac"] == 1.0
