@@ -44,9 +44,9 @@ def test_repro_builds_every_output(smoke_repo: Path):
 
 
 def test_second_repro_does_nothing(smoke_repo: Path):
-    out = dvc(smoke_repo, "repro").stdout
+    out = dvc(smoke_repo, "repro", "dvc.yaml").stdout
     assert ran(out) == set(), out
-    assert "up to date" in dvc(smoke_repo, "status").stdout
+    assert "up to date" in dvc(smoke_repo, "status", "dvc.yaml").stdout
 
 
 def test_saved_model_reloads_and_generates(smoke_repo: Path):
@@ -106,19 +106,19 @@ def test_restored_stage_creates_no_duplicate_run(smoke_repo: Path):
     import shutil
 
     shutil.rmtree(smoke_repo / "models/base")
-    out = dvc(smoke_repo, "repro").stdout
+    out = dvc(smoke_repo, "repro", "dvc.yaml").stdout
     assert (smoke_repo / "models/base/config.json").is_file()
     assert ran(out) == set(), out  # restored from the run-cache: no stage process ran
     assert len(client.search_runs([exp.experiment_id])) == before
 
 
 def test_param_change_reruns_only_dependents(repo_copy: Path):
-    dvc(repo_copy, "repro")
+    dvc(repo_copy, "repro", "dvc.yaml")
     set_params(repo_copy, **{"profiles.smoke.evaluate.batch_size": 7})
-    status = dvc(repo_copy, "status").stdout
+    status = dvc(repo_copy, "status", "dvc.yaml").stdout
     changed = {s for s in STAGES if re.search(rf"^{s}:", status, re.M)}
     assert changed == {"evaluate"}, status
-    out = dvc(repo_copy, "repro").stdout
+    out = dvc(repo_copy, "repro", "dvc.yaml").stdout
     assert ran(out) == {"evaluate"}, out
 
 
@@ -137,7 +137,7 @@ def test_exp_run_switches_profile(repo_copy: Path):
 
 def test_bad_params_fail_before_compute(repo_copy: Path):
     set_params(repo_copy, **{"profiles.smoke.base.learning_rat": 0.1})
-    proc = dvc(repo_copy, "repro", check=False)
+    proc = dvc(repo_copy, "repro", "dvc.yaml", check=False)
     assert proc.returncode != 0
     err = proc.stdout + proc.stderr
     assert "base.learning_rat" in err and "unknown key" in err
@@ -188,7 +188,7 @@ def test_killed_stage_leaves_no_half_written_output(repo_copy: Path):
     model = repo_copy / "models/base"
     assert not model.exists() or (model / "config.json").is_file() and list(model.glob("*.safetensors"))
     leftovers = [p.name for p in (repo_copy / "models").iterdir() if ".tmp-" in p.name]
-    out = dvc(repo_copy, "repro").stdout
+    out = dvc(repo_copy, "repro", "dvc.yaml").stdout
     assert "evaluate" in ran(out) or (repo_copy / "metrics/evaluate.json").is_file()
     assert (repo_copy / "models/base/config.json").is_file()
     # Temporaries of the killed run are cleaned by the rerun.

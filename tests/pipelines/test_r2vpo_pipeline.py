@@ -8,7 +8,6 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from tests.conftest import dvc, paperline
@@ -27,7 +26,13 @@ def r2vpo_repo(smoke_repo: Path) -> Path:
     return smoke_repo
 
 
-def test_every_arm_trains_every_seed_and_changes_the_model(r2vpo_repo: Path):
+def test_every_arm_trains_every_seed(r2vpo_repo: Path):
+    """Every arm ran its optimizer steps on every seed and saved a loadable policy.
+
+    Whether the weights move is tested in tests/unit/test_grpo.py on a policy that solves some
+    prompts: the smoke base model (20 SFT steps) solves none, so every GRPO reward here is 0,
+    every advantage is 0 and the policies equal the base model, as they should.
+    """
     base = load_file(str(next((r2vpo_repo / "models/base").glob("*.safetensors"))))
     for arm in ARMS:
         folder = r2vpo_repo / P / "runs" / arm
@@ -35,7 +40,9 @@ def test_every_arm_trains_every_seed_and_changes_the_model(r2vpo_repo: Path):
         assert sorted(curve["seed"].unique().to_list()) == [0, 1]
         for seed in (0, 1):
             after = load_file(str(folder / f"seed{seed}" / "model.safetensors"))
-            assert any(not torch.equal(base[k], after[k]) for k in base), (arm, seed)
+            assert {k: v.shape for k, v in after.items()} == {k: v.shape for k, v in base.items()}
+            state = json.loads((folder / f"seed{seed}" / "policy_state.json").read_text())
+            assert state["steps"] == 2 * 1 * 2 and state["rollouts"] == 2 * 2 * 4  # smoke budget
         state = json.loads((folder / "seed0" / "policy_state.json").read_text())
         assert state["policy_loss"] == ("clip" if arm.startswith("grpo") else "r2vpo")
         budget = json.loads((folder / "budget.json").read_text())
