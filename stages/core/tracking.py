@@ -213,7 +213,8 @@ class StageTracker:
             self._fail("log_artifacts", exc)
 
     def register_model(self, local_dir: Path, name: str, aliases: list[str],
-                       tags: dict[str, str] | None = None) -> str | None:
+                       tags: dict[str, str] | None = None,
+                       artifact_path: str = "model") -> str | None:
         """Log a Hugging Face model folder and register it as a new version of `name`.
 
         The artifact is the `save_pretrained` folder itself, so `models:/<name>@<alias>` downloads
@@ -224,7 +225,7 @@ class StageTracker:
         try:
             from mlflow import MlflowClient
 
-            self._mlflow.log_artifacts(str(local_dir), "model")
+            self._mlflow.log_artifacts(str(local_dir), artifact_path)
             client = MlflowClient()
             tags = {"paperline.pipeline": self.ctx.pipeline, "paperline.profile": self.ctx.profile,
                     "paperline.seed": str(self.ctx.seed), **(tags or {}),
@@ -233,7 +234,7 @@ class StageTracker:
                 client.create_registered_model(name)
             except Exception:
                 pass  # exists already
-            source = f"{self._mlflow.get_artifact_uri('model')}"
+            source = f"{self._mlflow.get_artifact_uri(artifact_path)}"
             version = client.create_model_version(name, source=source, run_id=self.run_id,
                                                   tags=tags)
             for alias in aliases:

@@ -1,0 +1,1 @@
+"""Data-selection methods: which training samples to keep (BIS) or train next (EDCO)."""
