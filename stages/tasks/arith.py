@@ -248,6 +248,23 @@ def parse_steps(completion: str) -> list[str]:
     return [s.strip() for s in body.split(";") if s.strip()]
 
 
+def step_ends(completion: str) -> list[int]:
+    """For each step `parse_steps` returns, the offset just past its last character in
+    `completion`: `completion[:end]` is the solution prefix up to and including that step (what
+    a process reward model scores and Monte Carlo annotation continues from).
+
+    >>> step_ends(" 23+45=68; 68-17=51 #### 51")
+    [9, 19]
+    """
+    body = completion.split("####", 1)[0]
+    ends, start = [], 0
+    for piece in body.split(";"):
+        if piece.strip():
+            ends.append(start + len(piece.rstrip()))
+        start += len(piece) + 1
+    return ends
+
+
 def extract_answer(completion: str) -> int | None:
     """The integer after the last `####` (its first whitespace-separated token); None if there is
     no `####` or the token is not an integer."""
