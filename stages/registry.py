@@ -45,6 +45,33 @@ STAGES: dict[str, dict[str, str]] = {
         "grpo_length": "stages.train.grpo",
         "compare": "stages.evaluate.hsir_compare",
     },
+    # BIS: Monte Carlo-annotated rollouts -> subsets chosen by the Balanced-Information Score
+    # (and random / heuristic / full baselines) -> one PRM per subset -> step F1 and best-of-N.
+    "bis": {
+        "problems": "stages.tasks.prompts",
+        "rollouts": "stages.models.rollouts",
+        "mc_annotate": "stages.models.mc_annotate",
+        "select": "stages.select.bis",
+        "train_prm": "stages.train.prm",
+        "evaluate": "stages.evaluate.prm_eval",
+        "compare": "stages.evaluate.bis_compare",
+    },
+    # EDCO: entropy-driven dynamic curriculum on a new domain (arith with `*`): the prefix
+    # entropy estimator vs the full answer, curriculum SFT (EDCO, its mean-aggregation ablation,
+    # dynamic loss, random, easy-to-hard, static PPL) and curriculum GRPO (EDCO vs random).
+    "edco": {
+        "pool": "stages.select.edco_pool",
+        "entropy_estimate": "stages.select.edco",
+        "sft_edco": "stages.train.edco_sft",
+        "sft_edco_mean": "stages.train.edco_sft",
+        "sft_loss": "stages.train.edco_sft",
+        "sft_random": "stages.train.edco_sft",
+        "sft_easy_to_hard": "stages.train.edco_sft",
+        "sft_ppl": "stages.train.edco_sft",
+        "rl_edco": "stages.train.edco_rl",
+        "rl_random": "stages.train.edco_rl",
+        "compare": "stages.evaluate.edco_compare",
+    },
 }
 
 # How each pipeline's README results table is rendered from its DVC metrics ("module:function"
@@ -53,4 +80,6 @@ REPORTS: dict[str, str] = {
     "base": "stages.evaluate.report:base_results_table",
     "r2vpo": "stages.evaluate.rl_compare:results_table",
     "hsir": "stages.evaluate.hsir_compare:results_table",
+    "bis": "stages.evaluate.bis_compare:results_table",
+    "edco": "stages.evaluate.edco_compare:results_table",
 }
