@@ -162,6 +162,9 @@ def pool_summary(frame: Any) -> dict[str, float]:
     veri = float(trained["pool_veriexit_rows"].sum())
     return {"pool_hard_share": mean_std(trained["pool_hard_share"].to_list())[0],
             "pool_size": mean_std(trained["pool_size"].to_list())[0],
+            # the share of hard training queries that gained a correct sample in a round's pool
+            "pool_hard_coverage": (mean_std(trained["pool_hard_coverage"].to_list())[0]
+                                   if "pool_hard_coverage" in trained.columns else math.nan),
             "pool_mean_repeats": mean_std(trained["pool_mean_repeats"].to_list())[0],
             "veriexit_rows": veri / max(1, len(trained)),
             "faithful_rate": (float(trained["pool_veriexit_faithful"].sum()) / veri
@@ -343,8 +346,9 @@ def results_table(metrics: dict[str, dict[str, Any]]) -> str:
                  and "/acc_vs_" in k), "star")
     lines = [f"Self-improvement (final round; mean ± std over seeds; changes vs {base}):", "",
              "| arm | accuracy | Δ acc | hard accuracy | Δ hard | tokens / solved | Δ tokens "
-             "| pool: hard share | pool: re-verifications / row | VeriExit rows faithful | seeds |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| pool: hard share | pool: hard queries covered | pool: re-verifications / row "
+             "| VeriExit rows faithful | seeds |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for a in arms:
         p = f"self/{a}"
         sub = {k[len(p) + 1:]: v for k, v in m.items() if k.startswith(p + "/")}
@@ -354,6 +358,7 @@ def results_table(metrics: dict[str, dict[str, Any]]) -> str:
             f"| {_cell(sub, 'tokens_per_solved', '.1f')} "
             f"| {_pct(sub.get(f'tokens_per_solved_vs_{base}'))} "
             f"| {_num(sub.get('pool_hard_share'), '.1%')} "
+            f"| {_num(sub.get('pool_hard_coverage'), '.1%')} "
             f"| {_num(sub.get('pool_mean_repeats'), '.2f')} "
             f"| {_num(sub.get('faithful_rate'), '.0%')} | {_num(sub.get('seeds'), '.0f')} |")
     rl = _arms(m, "rl")

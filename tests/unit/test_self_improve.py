@@ -164,6 +164,7 @@ def test_results_table_is_the_metrics_rendered():
     m = {**hc.summarize_arms(finals, "star", "self"),
          **hc.summarize_arms({"grpo": finals["star"]}, "grpo", "rl"),
          "self/hsir/pool_hard_share": 0.25, "self/hsir/faithful_rate": 0.5,
+         "self/hsir/pool_hard_coverage": 0.125,
          "indiv/eigenscore/spearman_repeats": -0.8}
     table = hc.results_table({"compare": dict(sorted(m.items()))})
     lines = table.splitlines()
@@ -171,7 +172,7 @@ def test_results_table_is_the_metrics_rendered():
     hsir_row = next(i for i, line in enumerate(lines) if line.startswith("| hsir |"))
     assert star_row < hsir_row                     # compare's order, not alphabetical
     assert "| 0.600 ± 0.000 | +20.0% |" in lines[hsir_row] and "| -20.0% |" in lines[hsir_row]
-    assert "| 25.0% |" in lines[hsir_row] and "| 50% |" in lines[hsir_row]
+    assert "| 25.0% | 12.5% |" in lines[hsir_row] and "| 50% |" in lines[hsir_row]
     assert "| grpo |" in table and "| eigenscore | -0.800 | n/a |" in table
     assert hc.results_table({}) == "_No results yet: run the pipeline._\n"
 
@@ -181,10 +182,12 @@ def test_pool_summary_weights_faithfulness_by_rows():
                           "pool_size": [None, 10.0, 20.0], "pool_mean_repeats": [None, 1.0, 0.0],
                           "pool_veriexit_rows": [None, 1.0, 3.0],
                           "pool_veriexit_faithful": [None, 1.0, 1.0],
+                          "pool_hard_coverage": [None, 0.1, 0.3],
                           "mean_repeats": [0.5, 0.5, 0.5]})  # greedy outputs', not the pool's
     s = hc.pool_summary(frame)
     assert s["pool_hard_share"] == pytest.approx(0.3) and s["faithful_rate"] == 0.5
     assert s["veriexit_rows"] == 2.0 and s["pool_size"] == 15.0
+    assert s["pool_hard_coverage"] == pytest.approx(0.2)
 
 
 # --- one real round on a tiny model ---------------------------------------------------------
