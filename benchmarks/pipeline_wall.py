@@ -1,0 +1,93 @@
+"""Wall time of each pipeline's last `paperline repro`, per stage, from the MLflow store.
+
+    make run PIPELINE=<slug>                     # or: paperline repro <slug>, from its outputs
+                                                 # absent (fresh clone) and the shared stages done
+    .venv/bin/python benchmarks/pipeline_wall.py bis r2vpo hsir [--target-min 20]
+
+`paperline repro` opens one MLflow parent run per execution and every stage logs a child run
+under it, so the times here are the runs' own start and end times, not a stopwatch typed in.
+Reports, per pipeline, the parent run's wall time (the whole `dvc repro`, including process
+start-up and tracking), the profile, and each stage's wall time; a pipeline whose last run was
+not on the `cpu` profile or skipped stages (already up to date) is flagged. Writes the
+"Pipeline wall time" section of benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+
+from benchmarks._results import write_section  # noqa: E402
+
+
+def last_execution(client, pipeline: str) -> tuple[object, list[object]] | None:
+    """The latest finished parent run of `pipeline` and its stage runs (oldest first)."""
+    exp = client.get_experiment_by_name(pipeline)
+    if exp is None:
+        return None
+    parents = client.search_runs([exp.experiment_id],
+                                 "tags.`paperline.kind` = 'pipeline' and status = 'FINISHED'",
+                                 order_by=["attributes.start_time DESC"], max_results=1)
+    if not parents:
+        return None
+    parent = parents[0]
+    stages = client.search_runs([exp.experiment_id],
+                                f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'",
+                                order_by=["attributes.start_time ASC"], max_results=1000)
+    return parent, [s for s in stages if "paperline.stage" in s.data.tags]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("pipelines", nargs="+")
+    parser.add_argument("--target-min", type=float, default=20.0)
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args()
+
+    from mlflow import MlflowClient
+
+    from stages.core.tracking import configure
+    from stages.registry import STAGES
+
+    configure(ROOT)
+    client = MlflowClient()
+    lines = ["| pipeline | profile | stages run / declared | wall (min) | under target | "
+             "slowest stages (min) | finished (UTC) |", "|---|---|---|---|---|---|---|"]
+    for name in args.pipelines:
+        found = last_execution(client, name)
+        if found is None:
+            sys.exit(f"{name}: no finished `paperline repro` in the MLflow store; run "
+                     f"`make run PIPELINE={name}` first")
+        parent, stages = found
+        wall = (parent.info.end_time - parent.info.start_time) / 60000
+        profiles = sorted({s.data.tags.get("paperline.profile", "?") for s in stages})
+        per_stage = sorted(((s.info.end_time - s.info.start_time) / 60000,
+                            s.data.tags["paperline.stage"]) for s in stages if s.info.end_time)
+        slow = ", ".join(f"{st} {m:.1f}" for m, st in reversed(per_stage[-3:]))
+        declared = len(STAGES.get(name, {}))
+        import datetime as dt
+
+        ended = dt.datetime.fromtimestamp(parent.info.end_time / 1000, dt.timezone.utc)
+        lines.append(f"| {name} | {'/'.join(profiles) or '?'} | {len(stages)} / {declared} "
+                     f"| {wall:.1f} | {'yes' if wall <= args.target_min else 'NO'} | {slow} "
+                     f"| {ended:%Y-%m-%d %H:%M} |")
+    body = (f"`.venv/bin/python benchmarks/pipeline_wall.py {' '.join(args.pipelines)}`: each "
+            "pipeline's last `paperline repro` (= `make run PIPELINE=<slug>`) from its outputs "
+            "absent, the shared stages already built, read from the MLflow runs (parent run = "
+            "the whole `dvc repro`; stage runs = the stage processes). 2 cores. Target: the "
+            f"`cpu` profile under {args.target_min:.0f} minutes. 'stages run' below 'declared' "
+            "means some stages were up to date and the wall time is not a full run.\n\n"
+            + "\n".join(lines) + "\n")
+    print(body)
+    if not args.no_write:
+        write_section("Pipeline wall time", body)
+
+
+if __name__ == "__main__":
+    main()
