@@ -110,6 +110,9 @@ class Config(BaseModel):
     eval_episodes: int = Field(5, ge=1, le=1000, description="deterministic episodes per eval")
     num_threads: int = Field(1, ge=1, le=512, description="torch CPU threads (1 is fastest "
                                                           "for 64x64 MLPs)")
+    workers: int = Field(1, ge=1, le=256, description="(env, arm, seed) runs trained at once, "
+                         "each in its own process; results do not depend on it (every run "
+                         "seeds itself), only wall time")
 
     @field_validator("envs")
     @classmethod
@@ -566,28 +569,53 @@ class _NullRun:
         pass
 
 
+def _train_job(job: tuple[Config, str, str, int]) -> tuple[list[dict[str, Any]], float]:
+    """One (env, arm, seed) run in a worker process: its evaluation rows and seconds."""
+    cfg, spec, arm, seed = job
+    th.set_num_threads(cfg.num_threads)
+    t0 = time.time()
+    return train_one(cfg, spec, arm, seed), time.time() - t0
+
+
 def run(cfg: Config, ctx: Any) -> dict[str, float]:
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
     import polars as pl
 
     th.set_num_threads(cfg.num_threads)
     _preflight(cfg)
     started = time.time()
     rows: list[dict[str, Any]] = []
-    params = cfg.model_dump(mode="json", exclude={"envs", "arms", "seeds"})
-    for spec in cfg.envs:
-        for arm in cfg.arms:
-            for seed in cfg.seeds:
+    params = cfg.model_dump(mode="json", exclude={"envs", "arms", "seeds", "workers"})
+    jobs = [(spec, arm, seed) for spec in cfg.envs for arm in cfg.arms for seed in cfg.seeds]
+    done: dict[tuple[str, str, int], tuple[list[dict[str, Any]], float]] = {}
+    if cfg.workers > 1:
+        # Runs in parallel processes (spawned: no forked torch/MLflow threads); each run's curve
+        # is logged to its MLflow child run afterwards, step = env steps, as the live path does.
+        with ProcessPoolExecutor(min(cfg.workers, len(jobs)),
+                                 mp_context=multiprocessing.get_context("spawn")) as pool:
+            for job, result in zip(jobs, pool.map(_train_job, [(cfg, *j) for j in jobs])):
+                done[job] = result
+    for spec, arm, seed in jobs:
+        run_ctx = (ctx.tracker.method_run(group=f"control/{spec}", method=arm, seed=seed,
+                                          params=params)
+                   if ctx.tracker is not None else nullcontext(_NullRun()))
+        with run_ctx as mr:
+            if (spec, arm, seed) in done:
+                seed_rows, seconds = done[(spec, arm, seed)]
+                for row in seed_rows:
+                    mr.log_metrics({k: v for k, v in row.items() if v is not None and k not in
+                                    ("env", "arm", "seed", "env_steps")}, step=row["env_steps"])
+            else:
                 t0 = time.time()
-                run_ctx = (ctx.tracker.method_run(group=f"control/{spec}", method=arm, seed=seed,
-                                                  params=params)
-                           if ctx.tracker is not None else nullcontext(_NullRun()))
-                with run_ctx as mr:
-                    seed_rows = train_one(cfg, spec, arm, seed, mr.log_metrics)
-                    final = return_last10([r["dense_return"] for r in seed_rows])
-                    mr.log_metrics({"return_last10": final}, step=seed_rows[-1]["env_steps"])
-                rows += seed_rows
-                log.info("control %s %s seed %d: return_last10 %.1f (%.0fs)", spec, arm, seed,
-                         final, time.time() - t0)
+                seed_rows = train_one(cfg, spec, arm, seed, mr.log_metrics)
+                seconds = time.time() - t0
+            final = return_last10([r["dense_return"] for r in seed_rows])
+            mr.log_metrics({"return_last10": final}, step=seed_rows[-1]["env_steps"])
+        rows += seed_rows
+        log.info("control %s %s seed %d: return_last10 %.1f (%.0fs)", spec, arm, seed, final,
+                 seconds)
     schema = {"env": pl.Utf8, "arm": pl.Utf8, "seed": pl.Int64, "env_steps": pl.Int64,
               "dense_return": pl.Float64, "sparse_success": pl.Float64, "lambda": pl.Float64,
               "ratio_var": pl.Float64, "clip_fraction_would_be": pl.Float64}

@@ -171,6 +171,22 @@ def test_run_writes_curves_for_every_env_arm_and_seed(tmp_path):
     assert all(isinstance(v, float) and np.isfinite(v) for v in metrics.values())
 
 
+def test_parallel_workers_give_the_same_curves(tmp_path):
+    """`workers` changes wall time only: every run seeds itself, so the curves are identical."""
+    cfg = Config(envs=["Pendulum-v1"], seeds=[0, 1], total_timesteps=128, n_steps=64,
+                 batch_size=32, n_epochs=1, eval_every=64, eval_episodes=1)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    m1 = control.run(cfg, _ctx(tmp_path / "a"))
+    m2 = control.run(cfg.model_copy(update={"workers": 2}), _ctx(tmp_path / "b"))
+    keys = ["env", "arm", "seed", "env_steps"]
+    a = pl.read_parquet(tmp_path / "a/curves.parquet").sort(keys)
+    b = pl.read_parquet(tmp_path / "b/curves.parquet").sort(keys)
+    assert a.height == 2 * 2 * 3 and a.equals(b)
+    assert {k: v for k, v in m1.items() if k != "seconds"} == \
+        {k: v for k, v in m2.items() if k != "seconds"}
+
+
 def test_steps_to_reach_and_summary_by_hand():
     # start -1000, best -200: level = -1000 + 0.8 * 800 = -360
     curve = [(0, -1000.0), (100, -500.0), (200, -350.0), (300, -200.0)]
