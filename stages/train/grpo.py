@@ -483,6 +483,9 @@ class Config(GRPOParams):
     out: str = Field("runs", description="paths key of the folder holding <out>/<stage>/")
     register_as: str | None = Field(None, description="registered model name, e.g. r2vpo-policy "
                                                       "(the first seed's policy; alias = method)")
+    workers: int = Field(1, ge=1, le=64, description="seeds trained at once, each in its own "
+                         "process (with num_threads 0 the cores are split between them); the "
+                         "results do not depend on it, only wall time")
 
     @model_validator(mode="after")
     def _unique_seeds(self) -> "Config":
@@ -506,6 +509,19 @@ def mean_std(values: list[float]) -> tuple[float, float]:
     return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / n)
 
 
+def _train_seed(job: tuple[Any, ...]) -> tuple[dict[str, Any], list[tuple[dict, Any]]]:
+    """One seed in a worker process: the result and the metrics it would have logged live."""
+    import torch
+
+    settings, threads, start, family, train_rows, eval_rows, seed, out_dir = job
+    if threads:
+        torch.set_num_threads(threads)
+    records: list[tuple[dict, Any]] = []
+    result = train_grpo(settings, start, family, train_rows, eval_rows, seed, out_dir,
+                        log=lambda metrics, step=None: records.append((metrics, step)))
+    return result, records
+
+
 def run(cfg: Config, ctx: Any) -> dict[str, float]:
     import polars as pl
 
@@ -523,13 +539,33 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     settings = GRPOParams.model_validate(
         {k: v for k, v in cfg.model_dump().items() if k in GRPOParams.model_fields})
     with io.atomic_path(out, is_dir=True) as tmp:
+        done: dict[int, tuple[dict[str, Any], list[tuple[dict, Any]]]] = {}
+        if cfg.workers > 1 and len(cfg.seeds) > 1:
+            # Seeds in parallel processes (spawned: no forked torch/MLflow threads); a tiny
+            # model keeps one core busy per process better than two threads keep two. Each
+            # seed's curve reaches its MLflow child run afterwards, with the same steps.
+            import multiprocessing
+            import os
+            from concurrent.futures import ProcessPoolExecutor
+
+            n = min(cfg.workers, len(cfg.seeds))
+            threads = settings.num_threads or max(1, (os.cpu_count() or 1) // n)
+            jobs = [(settings, threads, start, cfg.family, train_rows, eval_rows, seed,
+                     tmp / f"seed{seed}") for seed in cfg.seeds]
+            with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn")) as pool:
+                done = dict(zip(cfg.seeds, pool.map(_train_seed, jobs)))
         for seed in cfg.seeds:
             tracker = ctx.tracker
             run_ctx = (tracker.method_run("rl", method, seed, params=settings.model_dump(mode="json"))
                        if tracker is not None else _null_run())
             with run_ctx as mr:
-                result = train_grpo(settings, start, cfg.family, train_rows, eval_rows, seed,
-                                    tmp / f"seed{seed}", log=mr.log_metrics)
+                if seed in done:
+                    result, records = done[seed]
+                    for logged, step in records:
+                        mr.log_metrics(logged, step)
+                else:
+                    result = train_grpo(settings, start, cfg.family, train_rows, eval_rows,
+                                        seed, tmp / f"seed{seed}", log=mr.log_metrics)
                 mr.log_metrics(result["metrics"])
             per_seed.append(result["metrics"])
             rows += [{"method": method, "seed": seed, **p} for p in result["curve"]]

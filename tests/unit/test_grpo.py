@@ -184,6 +184,38 @@ def test_train_grpo_changes_the_policy_and_counts_rollouts(policy, tmp_path, pol
         assert "train/r2vpo/lambda" in keys and "train/replay_rows" in keys
 
 
+def test_seeds_in_worker_processes_give_the_same_arm(policy, tmp_path):
+    """`workers` changes wall time only: each seed's curve and policy equal the sequential run."""
+    import polars as pl
+
+    from stages.core.context import Context
+
+    prompts = tmp_path / "prompts"
+    prompts.mkdir()
+    pl.DataFrame(_rows(32, 3)).write_parquet(prompts / "train.parquet")
+    test_rows = arith.generate(arith.Config(min_operands=2, max_operands=2, max_value=9), 8, 4,
+                               split="test")
+    pl.DataFrame(test_rows).write_parquet(prompts / "test.parquet")
+    curves = {}
+    for workers in (1, 2):
+        root = tmp_path / f"w{workers}"
+        ctx = Context(root=root, pipeline="r2vpo", stage="arm", pipeline_dir=root,
+                      profile="smoke", seed=0, tracker=None,
+                      paths={"metrics": root / "metrics", "rl_prompts": prompts,
+                             "base_model": policy, "runs": root / "runs"})
+        cfg = grpo.Config(rounds=2, prompts_per_round=2, num_generations=4, minibatches=1,
+                          num_iterations=1, max_completion_length=16, lr=1e-3, eval_every=1,
+                          eval_rows=8, num_threads=1, seeds=[0, 1], workers=workers)
+        metrics = grpo.run(cfg, ctx)
+        curves[workers] = pl.read_parquet(root / "runs/arm/curve.parquet").sort(["seed", "step"])
+        assert metrics["seeds"] == 2.0
+    assert curves[1].drop("seconds", strict=False).equals(curves[2].drop("seconds", strict=False))
+    for seed in (0, 1):
+        a = _weights(tmp_path / "w1/runs/arm" / f"seed{seed}")
+        b = _weights(tmp_path / "w2/runs/arm" / f"seed{seed}")
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_length_bonus_by_hand():
     """-w * z_G(length) on correct responses only; wrong ones get no bonus."""
     bonus = grpo.bonus_reward("length", 0.2, 2, "arith", model=None, tokenizer=None)
