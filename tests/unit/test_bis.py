@@ -224,5 +224,14 @@ def test_compare_summary_claims_and_table():
     assert "| bis_10 | 0.750 ± 0.010 |" in table and "| +25.0% |" in table
     assert "'BIS-10% matches or beats full data': reproduced" in table
     assert bc.results_table({}).startswith("_No results")
+    # a second regime kept from another run renders as its own table, with its corpus line
+    regime = {**m, "corpus/true_wrong_share": 0.39, "corpus/mc_negative_share": 0.49,
+              "corpus/true_mixed_share": 0.3, "corpus/mc_mixed_share": 0.15,
+              "corpus/label_agreement": 0.88, "regime/min_operands": 3.0,
+              "regime/max_operands": 5.0, "source": "commit abc"}
+    both = bc.results_table({"compare": m, "regime_3to5": regime})
+    assert both.count("| bis_10 | 0.750 ± 0.010 |") == 2
+    assert "Second regime: problems with 3-5 operands (from commit abc)" in both
+    assert "39.0% of steps wrong" in both
     with pytest.raises(ValueError, match="full_arm"):
         bc.summarize(arms[1:], evaluation, curves, "full")
