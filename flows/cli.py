@@ -8,6 +8,8 @@
     paperline report [<pipeline>]       regenerate README results tables from DVC metrics
     paperline deploy                    one Prefect deployment per pipeline (work pool paperline-cpu)
     paperline stack up|down|status      local Prefect server + worker + MLflow server, by PID
+    paperline remote setup|check|push|pull   DVC remote + MLflow artifacts on S3 (credentials
+                                        only from the environment; preflight before transfers)
 """
 
 from __future__ import annotations
@@ -180,6 +182,29 @@ def cmd_stack(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_remote(args: argparse.Namespace) -> int:
+    from stages.core import storage
+
+    root = _root()
+    try:
+        settings = storage.require_settings(root)
+        if args.action == "setup":
+            path = storage.setup_remote(root, settings, local=args.local)
+            print(f"DVC remote {settings.remote!r} -> {settings.dvc_url} written to "
+                  f"{path.relative_to(root)} (no credentials)")
+            print(storage.describe(root, settings))
+            return 0
+        if args.action == "check":
+            print(storage.describe(root, settings))
+            storage.preflight(settings, write=True)
+            print(f"ok: {settings.where}: reachable, credentials accepted, bucket writable")
+            return 0
+        return storage.transfer(root, args.action, args.targets, settings, jobs=args.jobs)
+    except storage.StorageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="paperline", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -223,12 +248,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("stack", help="local Prefect server, worker and MLflow server")
     p.add_argument("action", choices=["up", "down", "status"])
     p.set_defaults(func=cmd_stack)
+
+    p = sub.add_parser("remote", help="S3 storage: DVC remote and MLflow artifacts")
+    p.add_argument("action", choices=["setup", "check", "push", "pull"],
+                   help="setup: write the DVC remote into .dvc/config; check: preflight; "
+                        "push/pull: preflight, then dvc push/pull --run-cache")
+    p.add_argument("targets", nargs="*", help="push/pull: DVC targets (default: everything)")
+    p.add_argument("--local", action="store_true",
+                   help="setup: write .dvc/config.local (this machine only)")
+    p.add_argument("--jobs", type=int, default=None, help="push/pull: parallel transfers")
+    p.set_defaults(func=cmd_remote)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    for noisy in ("httpx", "httpcore", "matplotlib", "alembic"):
+    for noisy in ("httpx", "httpcore", "matplotlib", "alembic", "botocore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     args = build_parser().parse_args(argv)
     try:

@@ -5,8 +5,9 @@
     paperline stack down      # SIGTERM each process group, then SIGKILL after a grace period
 
 Everything binds to 127.0.0.1 and keeps its state in `.paperline/stack/` (ignored by git):
-`prefect.db` and `mlflow.db` (SQLite), MLflow `artifacts/`, `<name>.pid` and `<name>.log` for each
-process, `ports.json`. Processes are started in their own session (process group) and stopped by
+`prefect.db` and `mlflow.db` (SQLite), MLflow `artifacts/` (on S3 instead, `s3://<bucket>/<prefix>/
+mlflow`, when S3 storage is configured: stages/core/storage.py), `<name>.pid` and `<name>.log` for
+each process, `ports.json`. Processes are started in their own session (process group) and stopped by
 PID only. Ports: arguments, else `PAPERLINE_PREFECT_PORT` / `PAPERLINE_MLFLOW_PORT`, else the
 ports of the last `up`, else 4200 / 5000.
 
@@ -220,13 +221,19 @@ def up(root: Path, prefect_port: int | None = None, mlflow_port: int | None = No
                                      "--port", str(p["prefect"])], penv)
             started.append("prefect")
         if "mlflow" in components and not running["mlflow"]:
+            from stages.core import storage
+
             menv = dict(env, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
             menv.pop("MLFLOW_TRACKING_URI", None)
             (sdir / "artifacts").mkdir(exist_ok=True)
+            artifacts = ["--artifacts-destination", str(sdir / "artifacts")]
+            if s3 := storage.load_settings(root):  # S3 storage configured: proxy artifacts there
+                artifacts = storage.mlflow_server_args(s3)
+                menv.update(storage.mlflow_client_env(s3))  # credentials: inherited environment
             _spawn(root, "mlflow", [_bin("mlflow"), "server", "--host", HOST,
                                     "--port", str(p["mlflow"]), "--workers", "1",
                                     "--backend-store-uri", f"sqlite:///{sdir / 'mlflow.db'}",
-                                    "--artifacts-destination", str(sdir / "artifacts")], menv)
+                                    *artifacts], menv)
             started.append("mlflow")
         if "prefect" in components:
             _wait(root, "prefect", lambda: _healthy(f"{u['prefect']}/api/health"), timeout)

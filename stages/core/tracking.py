@@ -1,7 +1,9 @@
 """MLflow tracking for stages: one experiment per pipeline, a child run per stage.
 
 - Tracking URI: `MLFLOW_TRACKING_URI` if set, else an embedded SQLite database inside the repo
-  (`.paperline/mlflow/mlflow.db`, artifacts beside it; ignored by git).
+  (`.paperline/mlflow/mlflow.db`, artifacts beside it; ignored by git). With S3 storage
+  configured (`stages/core/storage.py`), new experiments of the embedded store keep their
+  artifacts on S3 instead; a server decides for itself (`--artifacts-destination`).
 - The parent run (one per pipeline execution) is created by `paperline run|repro` and handed to
   stage processes in `PAPERLINE_PARENT_RUN_ID` (deliberately not `MLFLOW_RUN_ID`, which would make
   every stage log into the parent itself). A plain `dvc repro` has no parent: stages log
@@ -45,7 +47,10 @@ def configure(root: Path) -> str:
     """Point MLflow at the project's tracking store; returns the URI."""
     import mlflow
 
+    from .storage import apply_mlflow_env
+
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    apply_mlflow_env(root)  # S3 storage configured: artifacts of S3 experiments reach the store
     uri = tracking_uri(root)
     mlflow.set_tracking_uri(uri)
     mlflow.set_registry_uri(uri)
@@ -62,11 +67,16 @@ def experiment_id(root: Path, pipeline: str) -> str:
     location = None
     uri = mlflow.get_tracking_uri()
     if uri.startswith("sqlite:///"):
-        # A local store has no artifact server: keep artifacts beside the database (inside the
-        # main repo, also when a stage runs in a Prefect workspace), never in ./mlruns.
-        art = Path(uri[len("sqlite:///"):]).parent / "artifacts" / pipeline
-        art.mkdir(parents=True, exist_ok=True)
-        location = art.as_uri()
+        from .storage import experiment_artifact_location
+
+        # S3 storage configured (params `storage:` / PAPERLINE_S3_*): artifacts on the store.
+        location = experiment_artifact_location(root, pipeline)
+        if location is None:
+            # A local store has no artifact server: keep artifacts beside the database (inside
+            # the main repo, also when a stage runs in a Prefect workspace), never in ./mlruns.
+            art = Path(uri[len("sqlite:///"):]).parent / "artifacts" / pipeline
+            art.mkdir(parents=True, exist_ok=True)
+            location = art.as_uri()
     try:
         return mlflow.create_experiment(pipeline, artifact_location=location)
     except Exception:  # created concurrently by a sibling stage
