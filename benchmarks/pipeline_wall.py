@@ -25,22 +25,28 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 from benchmarks._results import write_section  # noqa: E402
 
+# The issues' targets for each pipeline's `cpu` profile on 2 cores (minutes); others: --target-min.
+TARGETS = {"bis": 15.0, "edco": 15.0, "r2vpo": 20.0, "hsir": 20.0}
 
-def last_execution(client, pipeline: str) -> tuple[object, list[object]] | None:
-    """The latest finished parent run of `pipeline` and its stage runs (oldest first)."""
+
+def last_full_execution(client, pipeline: str, declared: int
+                        ) -> tuple[object, list[object]] | None:
+    """The latest finished parent run of `pipeline` that ran every declared stage (a rerun of a
+    few stages is not a pipeline's wall time), and its stage runs (oldest first)."""
     exp = client.get_experiment_by_name(pipeline)
     if exp is None:
         return None
     parents = client.search_runs([exp.experiment_id],
                                  "tags.`paperline.kind` = 'pipeline' and status = 'FINISHED'",
-                                 order_by=["attributes.start_time DESC"], max_results=1)
-    if not parents:
-        return None
-    parent = parents[0]
-    stages = client.search_runs([exp.experiment_id],
-                                f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'",
-                                order_by=["attributes.start_time ASC"], max_results=1000)
-    return parent, [s for s in stages if "paperline.stage" in s.data.tags]
+                                 order_by=["attributes.start_time DESC"], max_results=50)
+    for parent in parents:
+        stages = client.search_runs([exp.experiment_id],
+                                    f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'",
+                                    order_by=["attributes.start_time ASC"], max_results=1000)
+        stages = [s for s in stages if "paperline.stage" in s.data.tags]
+        if len({s.data.tags["paperline.stage"] for s in stages}) >= declared:
+            return parent, stages
+    return None
 
 
 def main() -> None:
@@ -57,32 +63,32 @@ def main() -> None:
 
     configure(ROOT)
     client = MlflowClient()
-    lines = ["| pipeline | profile | stages run / declared | wall (min) | under target | "
+    lines = ["| pipeline | profile | stages run / declared | wall (min) | target (min) | "
              "slowest stages (min) | finished (UTC) |", "|---|---|---|---|---|---|---|"]
     for name in args.pipelines:
-        found = last_execution(client, name)
+        declared = len(STAGES.get(name, {}))
+        found = last_full_execution(client, name, declared)
         if found is None:
-            sys.exit(f"{name}: no finished `paperline repro` in the MLflow store; run "
-                     f"`make run PIPELINE={name}` first")
+            sys.exit(f"{name}: no finished `paperline repro` of every stage in the MLflow store; "
+                     f"run `make run PIPELINE={name}` from its outputs absent first")
         parent, stages = found
         wall = (parent.info.end_time - parent.info.start_time) / 60000
+        target = TARGETS.get(name, args.target_min)
         profiles = sorted({s.data.tags.get("paperline.profile", "?") for s in stages})
         per_stage = sorted(((s.info.end_time - s.info.start_time) / 60000,
                             s.data.tags["paperline.stage"]) for s in stages if s.info.end_time)
         slow = ", ".join(f"{st} {m:.1f}" for m, st in reversed(per_stage[-3:]))
-        declared = len(STAGES.get(name, {}))
         import datetime as dt
 
         ended = dt.datetime.fromtimestamp(parent.info.end_time / 1000, dt.timezone.utc)
         lines.append(f"| {name} | {'/'.join(profiles) or '?'} | {len(stages)} / {declared} "
-                     f"| {wall:.1f} | {'yes' if wall <= args.target_min else 'NO'} | {slow} "
+                     f"| {wall:.1f} | {target:.0f}: {'met' if wall <= target else 'MISSED'} | {slow} "
                      f"| {ended:%Y-%m-%d %H:%M} |")
     body = (f"`.venv/bin/python benchmarks/pipeline_wall.py {' '.join(args.pipelines)}`: each "
             "pipeline's last `paperline repro` (= `make run PIPELINE=<slug>`) from its outputs "
             "absent, the shared stages already built, read from the MLflow runs (parent run = "
-            "the whole `dvc repro`; stage runs = the stage processes). 2 cores. Target: the "
-            f"`cpu` profile under {args.target_min:.0f} minutes. 'stages run' below 'declared' "
-            "means some stages were up to date and the wall time is not a full run.\n\n"
+            "the whole `dvc repro`; stage runs = the stage processes; the latest run that ran every "
+            "stage). 2 cores.\n\n"
             + "\n".join(lines) + "\n")
     print(body)
     if not args.no_write:
