@@ -169,6 +169,13 @@ class Arm(BaseModel):
     rho: float = Field(1.0, gt=0, le=1, description="kept share per source")
     alpha: float = Field(ALPHA, ge=0, le=10, description="BIS floor term (rule bis only)")
 
+    @model_validator(mode="after")
+    def _full_keeps_everything(self) -> "Arm":
+        if self.rule == "full" and self.rho != 1.0:
+            raise ValueError(f"arm {self.name!r}: rule 'full' keeps every rollout; rho = "
+                             f"{self.rho} would be ignored (use rule 'random' for a share)")
+        return self
+
 
 class Config(BaseModel):
     model_config = ConfigDict(extra="forbid")

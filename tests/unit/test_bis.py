@@ -85,6 +85,9 @@ def test_keep_count_and_invalid_inputs():
         bis.select("entropy", TABLE, SOURCES, 0.5)
     with pytest.raises(ValidationError):
         bis.Arm(name="x", rule="bis", rho=0.0)
+    with pytest.raises(ValidationError, match="rule 'full' keeps every rollout"):
+        bis.Arm(name="x", rule="full", rho=0.5)
+    assert bis.Arm(name="x", rule="full").rho == 1.0
     with pytest.raises(ValidationError, match="repeat"):
         bis.Config(arms=[{"name": "x", "rule": "full"}, {"name": "x", "rule": "bis"}])
 
