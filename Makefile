@@ -32,8 +32,11 @@ install: $(BIN)/.installed
 run: install
 	$(BIN)/paperline repro $(if $(PIPELINE),$(PIPELINE),--all)
 
+# Two pytest workers on two cores: the pipeline tests (one shared smoke repo) in one, the rest
+# (unit, Prefect, servers) in the other. TEST_WORKERS=0 runs everything in one process.
+TEST_WORKERS ?= 2
 test: install
-	$(BIN)/python -m pytest -ra $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -ra $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup) $(PYTEST_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -12,7 +12,8 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-STATE = REPO / ".paperline" / "test-state"
+# One state folder per pytest-xdist worker (`make test` runs two): no shared Prefect database.
+STATE = REPO / ".paperline" / "test-state" / os.environ.get("PYTEST_XDIST_WORKER", "main")
 
 os.environ.setdefault("PREFECT_HOME", str(STATE / "prefect"))
 os.environ.setdefault("HF_HOME", str(STATE / "hf"))
@@ -76,6 +77,14 @@ def dvc(repo: Path, *args: str, check: bool = True, timeout: int = 900) -> subpr
         raise AssertionError(f"dvc {' '.join(args)} failed ({proc.returncode}):\n"
                              f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return proc
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under `-n 2 --dist loadgroup`, every pipeline test runs in one worker, so the session's
+    `smoke_repo` (the base pipeline at smoke) is built once; the other worker takes the rest."""
+    for item in items:
+        if "tests/pipelines/" in item.nodeid.replace("\\", "/"):
+            item.add_marker(pytest.mark.xdist_group("pipelines"))
 
 
 @pytest.fixture(scope="session")
