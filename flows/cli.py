@@ -8,8 +8,12 @@
     paperline report [<pipeline>]       regenerate README results tables from DVC metrics
     paperline deploy                    one Prefect deployment per pipeline (work pool paperline-cpu)
     paperline stack up|down|status      local Prefect server + worker + MLflow server, by PID
+                                        (`up --team`: both servers on PostgreSQL)
+    paperline tracking gaps|sync        stages tracked while MLflow was down: list / replay
     paperline remote setup|check|push|pull   DVC remote + MLflow artifacts on S3 (credentials
                                         only from the environment; preflight before transfers)
+    paperline worker start|stop|status  Prefect process workers, each in its own clone (scale-out);
+                                        `paperline run <pipeline> --distributed` runs on them
 """
 
 from __future__ import annotations
@@ -88,6 +92,10 @@ def cmd_repro(args: argparse.Namespace) -> int:
         if url := stack.mlflow_url(root):  # `paperline stack up`: runs show in its MLflow UI
             os.environ["MLFLOW_TRACKING_URI"] = url
             print(f"using the stack's MLflow server {url}")
+    from stages.core.tracking import list_gaps, sync_gaps
+
+    if list_gaps(root):  # stages that ran while MLflow was down: replay them first
+        sync_gaps(root)
     dvc = shutil.which("dvc") or str(Path(sys.executable).with_name("dvc"))
     for p in pipelines:
         parent = start_parent_run(root, p, tags={"paperline.executor": "dvc repro"})
@@ -105,6 +113,10 @@ def cmd_repro(args: argparse.Namespace) -> int:
     for p in pipelines:
         print(f"\n## Results: {p}\n")
         print(results_table(root, p))
+    if gaps := list_gaps(root):
+        print(f"\nwarning: {len(gaps)} stage run(s) not fully tracked (MLflow was unreachable): "
+              "`paperline tracking gaps` lists them, `paperline tracking sync` replays them",
+              file=sys.stderr)
     return 0
 
 
@@ -135,6 +147,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     root = _root()
     pipeline = _pipelines(root, args.pipeline, False)[0]
     _check(root, pipeline)
+    if args.distributed:
+        from flows.distributed import run_distributed
+
+        summary = run_distributed(root, pipeline, targets=args.stage or None,
+                                  retries=args.retries, force=args.force,
+                                  stage_timeout=args.stage_timeout)
+        failed = [s for s, v in summary.items() if v.get("state") in ("failed", "blocked")]
+        return 1 if failed else 0
     summary = run_pipeline(root, pipeline, targets=args.stage or None,
                            max_parallel=args.max_parallel, retries=args.retries, force=args.force,
                            gpu_slots=args.gpu_slots)
@@ -174,12 +194,39 @@ def cmd_stack(args: argparse.Namespace) -> int:
 
     root = _root()
     if args.action == "up":
-        stack.up(root)
+        try:
+            stack.up(root, team=True if args.team else None, bind=args.bind)
+        except Exception as exc:  # S3 unreachable, PostgreSQL missing, mode clash: say what
+            from flows.postgres import PostgresError
+            from stages.core.storage import StorageError
+
+            if not isinstance(exc, (StorageError, PostgresError, RuntimeError)):
+                raise
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     elif args.action == "down":
         stack.down(root)
     else:
         print(stack.describe(stack.status(root)))
     return 0
+
+
+def cmd_tracking(args: argparse.Namespace) -> int:
+    """MLflow tracking gaps (stages that ran while MLflow was unreachable): list or replay."""
+    from stages.core import tracking
+
+    root = _root()
+    if args.action == "gaps":
+        gaps = tracking.list_gaps(root)
+        for path, gap in gaps:
+            print(f"{gap['experiment']}/{gap['run_name']}  run {gap.get('run_id') or '-'}  "
+                  f"failed at {gap['failed_at']}  {len(gap['ops'])} calls  "
+                  f"({path.relative_to(root)})")
+        print(f"{len(gaps)} gap(s)" + (": `paperline tracking sync` replays them" if gaps else ""))
+        return 0
+    result = tracking.sync_gaps(root)
+    print(f"replayed {result['replayed']} gap(s), {result['left']} left")
+    return 0 if result["left"] == 0 else 1
 
 
 def cmd_remote(args: argparse.Namespace) -> int:
@@ -203,6 +250,28 @@ def cmd_remote(args: argparse.Namespace) -> int:
     except storage.StorageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from flows import distributed
+
+    root = _root()
+    if args.action == "start":
+        if not args.name:
+            raise FileNotFoundError("paperline worker start needs a NAME (e.g. cpu-1)")
+        pid = distributed.start_worker(root, args.name, pool=args.pool, repo_url=args.repo,
+                                       clone=Path(args.clone) if args.clone else None)
+        print(f"worker {args.name}: pid {pid}, pool {args.pool}, clone "
+              f"{args.clone or distributed.worker_dir(root, args.name) / 'repo'}")
+    elif args.action == "stop":
+        names = [args.name] if args.name else list(distributed.worker_status(root))
+        for name in names:
+            print(f"worker {name}: {distributed.stop_worker(root, name)}")
+    else:
+        for name, info in distributed.worker_status(root).items():
+            print(f"{name:<12} {info['state']:<6} pid {info['pid'] or '-':<8} pool {info['pool']}"
+                  f"  clone {info['clone']}")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -231,6 +300,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true")
     p.add_argument("--gpu-slots", type=int, default=None,
                    help="slots of the paperline-gpu concurrency limit (stages with meta.gpus)")
+    p.add_argument("--distributed", action="store_true",
+                   help="run each stage on a Prefect worker in its own clone (pools paperline-cpu"
+                        " / paperline-gpu by meta.gpus; needs S3 storage and a clean git tree)")
+    p.add_argument("--stage-timeout", type=float, default=3600.0,
+                   help="--distributed: seconds a stage may take, queueing included")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("compare", help="registered models and runs side by side")
@@ -247,7 +321,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("stack", help="local Prefect server, worker and MLflow server")
     p.add_argument("action", choices=["up", "down", "status"])
+    p.add_argument("--team", action="store_true",
+                   help="up: servers on PostgreSQL (started by the stack), artifacts on S3 when "
+                        "configured")
+    p.add_argument("--bind", default=None,
+                   help="up: address the Prefect and MLflow servers listen on (default "
+                        "PAPERLINE_BIND or 127.0.0.1)")
     p.set_defaults(func=cmd_stack)
+
+    p = sub.add_parser("tracking", help="MLflow tracking gaps: list or replay them")
+    p.add_argument("action", choices=["gaps", "sync"],
+                   help="gaps: stages whose tracking did not reach MLflow; sync: replay them")
+    p.set_defaults(func=cmd_tracking)
 
     p = sub.add_parser("remote", help="S3 storage: DVC remote and MLflow artifacts")
     p.add_argument("action", choices=["setup", "check", "push", "pull"],
@@ -258,6 +343,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="setup: write .dvc/config.local (this machine only)")
     p.add_argument("--jobs", type=int, default=None, help="push/pull: parallel transfers")
     p.set_defaults(func=cmd_remote)
+
+    p = sub.add_parser("worker", help="Prefect process workers, each in its own clone")
+    p.add_argument("action", choices=["start", "stop", "status"])
+    p.add_argument("name", nargs="?", help="worker name (stop: default all)")
+    p.add_argument("--pool", default="paperline-cpu", help="paperline-cpu | paperline-gpu")
+    p.add_argument("--repo", default=None, help="git URL to clone (default: this repo)")
+    p.add_argument("--clone", default=None,
+                   help="the worker's clone (default .paperline/workers/<name>/repo)")
+    p.set_defaults(func=cmd_worker)
     return parser
 
 

@@ -15,6 +15,19 @@ The worker serves work pool `paperline-cpu` (type `process`, created if missing)
 `PREFECT_API_URL` and `MLFLOW_TRACKING_URI` pointing at these servers, so a run started from the
 Prefect UI (a deployment made by `paperline deploy`) runs here and logs to this MLflow server.
 
+Team mode (`paperline stack up --team`): the same servers on PostgreSQL instead of SQLite. A
+PostgreSQL server of the stack's own (flows/postgres.py: data in `.paperline/stack/postgres/`,
+127.0.0.1, port `PAPERLINE_POSTGRES_PORT` or 5432, databases `prefect` and `mlflow`) is started
+first and stopped last. Its password is generated at the first `up` and kept in
+`.paperline/stack/pgpass` (0600); the servers read it through `PGPASSFILE`, so no password is on
+any command line, in any URL or in the environment. With S3 storage configured, the S3 store is
+checked first (a clear error naming the endpoint, never the secret) and MLflow proxies artifacts
+to it: clients need no S3 credentials. While any process of the stack runs, `up` keeps its mode
+(switching is refused); after `down`, plain `up` is the local stack again.
+
+Servers bind to 127.0.0.1 unless told otherwise (`--bind` / `PAPERLINE_BIND`, e.g. 0.0.0.0 for
+workers on other hosts behind your own firewall); PostgreSQL always binds to 127.0.0.1.
+
 Note: the stack's MLflow server has its own store (`.paperline/stack/mlflow.db`); the embedded
 store of plain `dvc repro` (`.paperline/mlflow/`) is separate. `paperline run` uses the stack's
 servers when the stack is up and `PREFECT_API_URL` / `MLFLOW_TRACKING_URI` are not set.
@@ -35,8 +48,9 @@ from typing import Any
 
 STACK_DIR = Path(".paperline") / "stack"
 WORK_POOL = "paperline-cpu"
-DEFAULT_PORTS = {"prefect": 4200, "mlflow": 5000}
+DEFAULT_PORTS = {"prefect": 4200, "mlflow": 5000, "postgres": 5432}
 COMPONENTS = ("prefect", "mlflow", "worker")
+TEAM_COMPONENTS = ("postgres", *COMPONENTS)
 HOST = "127.0.0.1"
 
 
@@ -106,6 +120,20 @@ def ports(root: Path) -> dict[str, int]:
     path = stack_dir(root) / "ports.json"
     recorded = json.loads(path.read_text()) if path.is_file() else {}
     return {k: int(recorded.get(k, v)) for k, v in DEFAULT_PORTS.items()}
+
+
+def _state(root: Path) -> dict[str, Any]:
+    path = stack_dir(root) / "ports.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def is_team(root: Path) -> bool:
+    """Whether the stack was last started in team mode (PostgreSQL)."""
+    return _state(root).get("mode") == "team"
+
+
+def _components(root: Path) -> tuple[str, ...]:
+    return TEAM_COMPONENTS if is_team(root) else COMPONENTS
 
 
 def urls(root: Path) -> dict[str, str]:
@@ -180,17 +208,34 @@ def _base_env() -> dict[str, str]:
 
 
 def up(root: Path, prefect_port: int | None = None, mlflow_port: int | None = None, *,
-       components: tuple[str, ...] = COMPONENTS, timeout: float = 180.0,
-       quiet: bool = False) -> dict[str, dict[str, Any]]:
-    """Start the stack's processes that are not running; a no-op (that says so) when all are."""
+       components: tuple[str, ...] | None = None, timeout: float = 180.0,
+       quiet: bool = False, team: bool | None = None, bind: str | None = None,
+       postgres_port: int | None = None) -> dict[str, dict[str, Any]]:
+    """Start the stack's processes that are not running; a no-op (that says so) when all are.
+
+    `team`: PostgreSQL-backed servers (None: the mode of the running stack, else local SQLite).
+    `bind`: the address Prefect and MLflow listen on (default `PAPERLINE_BIND` or 127.0.0.1).
+    """
     root = Path(root).resolve()
     sdir = stack_dir(root)
     sdir.mkdir(parents=True, exist_ok=True)
-    unknown = set(components) - set(COMPONENTS)
+    state = _state(root)
+    alive = [c for c in TEAM_COMPONENTS if _read_pid(root, c)]
+    if team is None:  # keep the mode of a stack that is (partly) up; else the local stack
+        team = bool(alive) and state.get("mode") == "team"
+    elif alive and team != (state.get("mode") == "team"):
+        raise RuntimeError(f"the stack is up in {state.get('mode', 'local')} mode "
+                           f"({', '.join(alive)}): `paperline stack down` first to switch")
+    if components is None:
+        components = TEAM_COMPONENTS if team else COMPONENTS
+    elif team and "postgres" not in components:
+        components = ("postgres", *components)
+    unknown = set(components) - set(TEAM_COMPONENTS if team else COMPONENTS)
     if unknown:
         from stages.core.config import did_you_mean
 
-        raise did_you_mean(sorted(unknown)[0], COMPONENTS, "stack component")
+        raise did_you_mean(sorted(unknown)[0], TEAM_COMPONENTS if team else COMPONENTS,
+                           "stack component")
     say = (lambda *a: None) if quiet else print
     running = {c: _read_pid(root, c) for c in components}
     if all(running.values()):
@@ -199,41 +244,62 @@ def up(root: Path, prefect_port: int | None = None, mlflow_port: int | None = No
 
     p = ports(root)
     asked = {"prefect": prefect_port or os.environ.get("PAPERLINE_PREFECT_PORT"),
-             "mlflow": mlflow_port or os.environ.get("PAPERLINE_MLFLOW_PORT")}
+             "mlflow": mlflow_port or os.environ.get("PAPERLINE_MLFLOW_PORT"),
+             "postgres": postgres_port or os.environ.get("PAPERLINE_POSTGRES_PORT")}
     for k, v in asked.items():
         if v and not _read_pid(root, k):
             p[k] = int(v)
-    for k in ("prefect", "mlflow"):
+    bind = bind or (state.get("bind") if alive else None) or os.environ.get("PAPERLINE_BIND") \
+        or HOST
+    for k in ("prefect", "mlflow", "postgres"):
         if k in components and not running.get(k) and not _port_free(p[k]):
             env_name = f"PAPERLINE_{k.upper()}_PORT"
             raise RuntimeError(f"port {p[k]} for {k} is in use on {HOST}: stop what holds it, or "
                                f"choose another port ({env_name}=<port>)")
-    (sdir / "ports.json").write_text(json.dumps(p))
+    s3 = None
+    if "mlflow" in components and not running["mlflow"]:
+        from stages.core import storage
+
+        if s3 := storage.load_settings(root):  # S3 storage configured: proxy artifacts there
+            storage.preflight(s3)  # unreachable / wrong credentials: say so now, with the endpoint
+    (sdir / "ports.json").write_text(json.dumps({**p, "mode": "team" if team else "local",
+                                                 "bind": bind}))
     u = urls(root)
     env = _base_env()
     started: list[str] = []
     try:
+        pg = None
+        if team:
+            pg = _postgres_up(root, p["postgres"], timeout)
+            if not running["postgres"]:
+                started.append("postgres")
         if "prefect" in components and not running["prefect"]:
-            penv = dict(env, PREFECT_API_DATABASE_CONNECTION_URL=(
-                f"sqlite+aiosqlite:///{sdir / 'prefect.db'}"))
+            db = (pg.url("prefect", "postgresql+asyncpg") if pg
+                  else f"sqlite+aiosqlite:///{sdir / 'prefect.db'}")
+            penv = dict(env, PREFECT_API_DATABASE_CONNECTION_URL=db,
+                        **(pg.client_env() if pg else {}))
             penv.pop("PREFECT_API_URL", None)
-            _spawn(root, "prefect", [_bin("prefect"), "server", "start", "--host", HOST,
+            for k in [k for k in penv if k.startswith(("AWS_", "PAPERLINE_S3_"))]:
+                del penv[k]  # the Prefect server never needs S3 credentials
+            _spawn(root, "prefect", [_bin("prefect"), "server", "start", "--host", bind,
                                      "--port", str(p["prefect"])], penv)
             started.append("prefect")
         if "mlflow" in components and not running["mlflow"]:
             from stages.core import storage
 
-            menv = dict(env, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
+            menv = dict(env, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false",
+                        **(pg.client_env() if pg else {}))
             menv.pop("MLFLOW_TRACKING_URI", None)
             (sdir / "artifacts").mkdir(exist_ok=True)
             artifacts = ["--artifacts-destination", str(sdir / "artifacts")]
-            if s3 := storage.load_settings(root):  # S3 storage configured: proxy artifacts there
+            if s3:
                 artifacts = storage.mlflow_server_args(s3)
                 menv.update(storage.mlflow_client_env(s3))  # credentials: inherited environment
-            _spawn(root, "mlflow", [_bin("mlflow"), "server", "--host", HOST,
+            store = (pg.url("mlflow", "postgresql+psycopg2") if pg
+                     else f"sqlite:///{sdir / 'mlflow.db'}")
+            _spawn(root, "mlflow", [_bin("mlflow"), "server", "--host", bind,
                                     "--port", str(p["mlflow"]), "--workers", "1",
-                                    "--backend-store-uri", f"sqlite:///{sdir / 'mlflow.db'}",
-                                    *artifacts], menv)
+                                    "--backend-store-uri", store, *artifacts], menv)
             started.append("mlflow")
         if "prefect" in components:
             _wait(root, "prefect", lambda: _healthy(f"{u['prefect']}/api/health"), timeout)
@@ -257,10 +323,27 @@ def up(root: Path, prefect_port: int | None = None, mlflow_port: int | None = No
             _stop(root, name, 10.0)
         raise
     parts = {"prefect": f"Prefect UI {u['prefect']}", "mlflow": f"MLflow UI {u['mlflow']}",
-             "worker": f"worker pool {WORK_POOL}"}
-    say(f"stack up: {'  '.join(parts[c] for c in COMPONENTS if c in components)}  "
+             "worker": f"worker pool {WORK_POOL}",
+             "postgres": f"PostgreSQL {HOST}:{p['postgres']}"}
+    say(f"stack up{' (team)' if team else ''}: "
+        f"{'  '.join(parts[c] for c in TEAM_COMPONENTS if c in components)}  "
         f"(state in {sdir.relative_to(root)})")
     return status(root)
+
+
+def _postgres_up(root: Path, port: int, timeout: float):
+    """The stack's PostgreSQL server, initialised at the first `up` (flows.postgres.Server)."""
+    from flows import postgres
+
+    sdir = stack_dir(root)
+    data, pgpass = sdir / "postgres", sdir / "pgpass"
+    postgres.init(data, pgpass)
+    server = postgres.start(data, pgpass, port, sdir / "postgres.log", host=HOST,
+                            timeout=min(timeout, 120.0))
+    pid = postgres.postmaster_pid(data)
+    if pid and _read_pid(root, "postgres") != pid:
+        _write_pid(root, "postgres", pid)
+    return server
 
 
 def _stop(root: Path, name: str, timeout: float) -> str:
@@ -270,6 +353,12 @@ def _stop(root: Path, name: str, timeout: float) -> str:
     pid = _read_pid(root, name)
     if pid is None:
         return "not running"
+    if name == "postgres":  # fast shutdown (SIGINT), by the postmaster's PID
+        from flows import postgres
+
+        result = postgres.stop(stack_dir(root) / "postgres", timeout)
+        _pidfile(root, name).unlink(missing_ok=True)
+        return result
     try:
         procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
     except psutil.NoSuchProcess:
@@ -298,9 +387,12 @@ def _stop(root: Path, name: str, timeout: float) -> str:
 
 
 def down(root: Path, timeout: float = 30.0, quiet: bool = False) -> dict[str, str]:
-    """Stop the worker, then the servers; returns component -> stopped|killed|not running."""
+    """Stop the worker, then the servers (PostgreSQL last); returns component ->
+    stopped|killed|not running."""
     root = Path(root).resolve()
     out = {name: _stop(root, name, timeout) for name in ("worker", "mlflow", "prefect")}
+    if is_team(root) or _read_pid(root, "postgres"):
+        out["postgres"] = _stop(root, "postgres", timeout)
     if not quiet:
         print("stack down: " + ", ".join(f"{k} {v}" for k, v in out.items()))
     return out
@@ -311,10 +403,13 @@ def status(root: Path) -> dict[str, dict[str, Any]]:
     root = Path(root).resolve()
     u = urls(root)
     out: dict[str, dict[str, Any]] = {}
-    for name in COMPONENTS:
+    for name in _components(root):
         pid = _read_pid(root, name)
         info: dict[str, Any] = {"state": "alive" if pid else "dead", "pid": pid}
-        if name == "prefect":
+        if name == "postgres":
+            info["url"] = f"postgresql://{HOST}:{ports(root)['postgres']}"
+            info["healthy"] = bool(pid)
+        elif name == "prefect":
             info["url"] = u["prefect"]
             info["healthy"] = bool(pid) and _healthy(f"{u['prefect']}/api/health")
         elif name == "mlflow":

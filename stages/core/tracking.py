@@ -12,7 +12,18 @@
   contents and params, i.e. what DVC's run-cache keys on. A stage that DVC restores from its cache
   never runs, so it logs nothing and creates no duplicate.
 - A tracking failure never loses a finished stage's outputs: errors are logged as warnings and the
-  stage carries on (the gap is reported in the stage log and in the metrics as `tracking_ok = 0`).
+  stage carries on. Against a server, each request is retried briefly (`MLFLOW_HTTP_REQUEST_*`,
+  defaults here: 3 retries, about 7 s in all) to ride out a restart; a longer outage is a *gap*:
+  from the first failed call on, what the stage meant to log (tags, params, metrics, artifacts,
+  model registrations, method runs) is recorded in `.paperline/tracking-gaps/<id>.json` of the
+  main repo, and the stage log says so at the end (WARNING, with the file). `paperline tracking
+  sync` (also run by `paperline repro` before it starts) replays the gaps into MLflow once it is
+  back: into the run the stage had created, or into a new one tagged `paperline.stage_run_id`,
+  so a replay that is repeated or interrupted creates no duplicate. `paperline tracking gaps`
+  lists them.
+- No duplicate runs after a failure: a stage that runs again with the same stage key under the
+  same parent run (a Prefect retry, a rerun after a crash) resumes that earlier run instead of
+  creating another; with no parent (plain `dvc repro`) only an unfinished earlier run is resumed.
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ import os
 import re
 import subprocess
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -43,6 +55,13 @@ def tracking_uri(root: Path) -> str:
     return f"sqlite:///{db}"
 
 
+# MLflow's own defaults retry a dead server for about 4 minutes per call (7 retries, backoff 2,
+# 120 s timeout): a stage would stall. A few seconds rides out a restart; longer is a gap.
+HTTP_RETRY_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3",
+                       "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                       "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
+
+
 def configure(root: Path) -> str:
     """Point MLflow at the project's tracking store; returns the URI."""
     import mlflow
@@ -50,6 +69,8 @@ def configure(root: Path) -> str:
     from .storage import apply_mlflow_env
 
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    for key, value in HTTP_RETRY_DEFAULTS.items():
+        os.environ.setdefault(key, value)
     apply_mlflow_env(root)  # S3 storage configured: artifacts of S3 experiments reach the store
     uri = tracking_uri(root)
     mlflow.set_tracking_uri(uri)
@@ -156,71 +177,103 @@ class StageTracker:
         self.run_id: str | None = None
         self.ok = True
         self._mlflow = None
+        self.stage_run_id = uuid.uuid4().hex  # this execution of the stage (gaps, replays)
+        self.gap: dict[str, Any] | None = None  # what could not be logged (see module docstring)
+        self.gap_file: Path | None = None
+        self._tags: dict[str, str] = {}
+        self._params: dict[str, str] = {}
+        self._exp_id: str | None = None
 
     def _fail(self, what: str, exc: BaseException) -> None:
         if self.ok:
-            log.warning("MLflow tracking unavailable (%s): %s; outputs are still written", what, exc)
+            log.warning("MLflow tracking unavailable (%s): %s; outputs are still written, the "
+                        "rest of this stage's tracking is recorded as a gap", what, exc)
+            self.gap = {"failed_at": what, "error": f"{type(exc).__name__}: {exc}"[:500],
+                        "ops": []}
         self.ok = False
+
+    def _record(self, op: str, **args: Any) -> None:
+        """After a failure: keep what the stage meant to log, for `paperline tracking sync`."""
+        if self.gap is not None:
+            self.gap["ops"].append({"op": op, **args})
 
     def __enter__(self) -> "StageTracker":
         if os.environ.get("PAPERLINE_TRACKING", "on") == "off":
             self.ok = False
             return self
+        tags = {"paperline.pipeline": self.ctx.pipeline, "paperline.stage": self.ctx.stage,
+                "paperline.profile": self.ctx.profile, "paperline.seed": str(self.ctx.seed),
+                "paperline.stage_run_id": self.stage_run_id}
         try:
-            import mlflow
-
-            configure(self.ctx.root)
-            exp_id = experiment_id(self.ctx.root, self.ctx.pipeline)
-            tags = {
-                "paperline.pipeline": self.ctx.pipeline,
-                "paperline.stage": self.ctx.stage,
-                "paperline.profile": self.ctx.profile,
-                "paperline.seed": str(self.ctx.seed),
-                "dvc.stage_key": stage_key(self.ctx, self.cfg),
-                "git.commit": git_commit(self.ctx.root),
-            }
+            tags["dvc.stage_key"] = stage_key(self.ctx, self.cfg)
+            tags["git.commit"] = git_commit(self.ctx.root)
             parent = os.environ.get(PARENT_ENV)
             if parent:
                 tags["mlflow.parentRunId"] = parent
             if os.environ.get(FLOW_RUN_ENV):
                 tags["prefect.flow_run_id"] = os.environ[FLOW_RUN_ENV]
-            os.environ.setdefault("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "2")
-            run = mlflow.start_run(experiment_id=exp_id, run_name=self.ctx.stage, tags=tags,
-                                   log_system_metrics=True)
-            self.run_id = run.info.run_id
-            self._mlflow = mlflow
+            self._tags = tags
             flat = _flatten(self.cfg.model_dump(mode="json"))
             flat.update({"profile": self.ctx.profile, "seed": self.ctx.seed})
-            mlflow.log_params({k: str(v)[:500] for k, v in flat.items()})
+            self._params = {k: str(v)[:500] for k, v in flat.items()}
+
+            import mlflow
+
+            configure(self.ctx.root)
+            self._exp_id = exp_id = experiment_id(self.ctx.root, self.ctx.pipeline)
+            earlier = find_stage_run(exp_id, tags["dvc.stage_key"], parent)
+            os.environ.setdefault("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "2")
+            if earlier is not None:  # a retry / rerun of this stage: resume, no duplicate run
+                run = mlflow.start_run(run_id=earlier.info.run_id, log_system_metrics=True)
+                self.run_id, self._mlflow = run.info.run_id, mlflow
+                tries = int(earlier.data.tags.get("paperline.attempts", "1")) + 1
+                mlflow.set_tags({"paperline.attempts": str(tries),
+                                 "paperline.stage_run_id": self.stage_run_id})
+                log.info("resuming MLflow run %s of an earlier attempt (attempt %d)",
+                         earlier.info.run_id, tries)
+            else:
+                run = mlflow.start_run(experiment_id=exp_id, run_name=self.ctx.stage, tags=tags,
+                                       log_system_metrics=True)
+                self.run_id, self._mlflow = run.info.run_id, mlflow
+            mlflow.log_params(self._params)
         except Exception as exc:
             self._fail("start", exc)
+            self._record("params", params=self._params)
         return self
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        values = {mlflow_key(k): float(v) for k, v in metrics.items()}
         if not (self.ok and self._mlflow):
+            self._record("metrics", metrics=values, step=step, timestamp=_now_ms())
             return
         try:
-            self._mlflow.log_metrics({mlflow_key(k): float(v) for k, v in metrics.items()},
-                                    step=step)
+            self._mlflow.log_metrics(values, step=step)
         except Exception as exc:
             self._fail("log_metrics", exc)
+            self._record("metrics", metrics=values, step=step, timestamp=_now_ms())
 
     def log_params(self, params: dict[str, Any]) -> None:
+        values = {mlflow_key(k): str(v)[:500] for k, v in _flatten(params).items()}
         if not (self.ok and self._mlflow):
+            self._record("params", params=values)
             return
         try:
-            self._mlflow.log_params({mlflow_key(k): str(v)[:500]
-                                    for k, v in _flatten(params).items()})
+            self._mlflow.log_params(values)
         except Exception as exc:
             self._fail("log_params", exc)
+            self._record("params", params=values)
 
     def log_artifacts(self, local_dir: Path, artifact_path: str) -> None:
         if not (self.ok and self._mlflow):
+            self._record("artifacts", local_dir=str(Path(local_dir).resolve()),
+                         artifact_path=artifact_path)
             return
         try:
             self._mlflow.log_artifacts(str(local_dir), artifact_path)
         except Exception as exc:
             self._fail("log_artifacts", exc)
+            self._record("artifacts", local_dir=str(Path(local_dir).resolve()),
+                         artifact_path=artifact_path)
 
     def register_model(self, local_dir: Path, name: str, aliases: list[str],
                        tags: dict[str, str] | None = None,
@@ -230,29 +283,22 @@ class StageTracker:
         The artifact is the `save_pretrained` folder itself, so `models:/<name>@<alias>` downloads
         to a folder that `from_pretrained` loads.
         """
+        tags = {"paperline.pipeline": self.ctx.pipeline, "paperline.profile": self.ctx.profile,
+                "paperline.seed": str(self.ctx.seed), **(tags or {}),
+                "paperline.model_sha": model_fingerprint(Path(local_dir))}
+        record = {"local_dir": str(Path(local_dir).resolve()), "name": name,
+                  "aliases": list(aliases), "tags": tags, "artifact_path": artifact_path}
         if not (self.ok and self._mlflow):
+            self._record("register_model", **record)
             return None
         try:
             from mlflow import MlflowClient
 
-            self._mlflow.log_artifacts(str(local_dir), artifact_path)
-            client = MlflowClient()
-            tags = {"paperline.pipeline": self.ctx.pipeline, "paperline.profile": self.ctx.profile,
-                    "paperline.seed": str(self.ctx.seed), **(tags or {}),
-                    "paperline.model_sha": model_fingerprint(Path(local_dir))}
-            try:
-                client.create_registered_model(name)
-            except Exception:
-                pass  # exists already
-            source = f"{self._mlflow.get_artifact_uri(artifact_path)}"
-            version = client.create_model_version(name, source=source, run_id=self.run_id,
-                                                  tags=tags)
-            for alias in aliases:
-                client.set_registered_model_alias(name, alias, version.version)
-            self._mlflow.set_tag(f"paperline.registered.{name}", version.version)
-            return version.version
+            version = _register(MlflowClient(), self.run_id, **record)
+            return version
         except Exception as exc:
             self._fail("register_model", exc)
+            self._record("register_model", **record)
             return None
 
     def annotate_model(self, local_dir: Path, metrics: dict[str, float]) -> int:
@@ -261,21 +307,18 @@ class StageTracker:
         This is how an evaluation stage attaches its scores to the model in the registry, so the
         MLflow UI and `paperline compare` show them side by side. Returns the versions tagged.
         """
+        record = {"sha": model_fingerprint(Path(local_dir)),
+                  "metrics": {mlflow_key(k): float(v) for k, v in metrics.items()}}
         if not (self.ok and self._mlflow):
+            self._record("annotate_model", **record)
             return 0
         try:
             from mlflow import MlflowClient
 
-            client = MlflowClient()
-            sha = model_fingerprint(Path(local_dir))
-            versions = client.search_model_versions(f"tags.`paperline.model_sha` = '{sha}'")
-            for v in versions:
-                for k, val in metrics.items():
-                    client.set_model_version_tag(v.name, v.version, f"metric.{mlflow_key(k)}",
-                                                 f"{float(val):.6g}")
-            return len(versions)
+            return _annotate(MlflowClient(), **record)
         except Exception as exc:
             self._fail("annotate_model", exc)
+            self._record("annotate_model", **record)
             return 0
 
     @contextlib.contextmanager
@@ -296,12 +339,251 @@ class StageTracker:
         run.end("FINISHED")
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if self._mlflow is None:
-            return
+        status = "FINISHED" if exc_type is None else "FAILED"
+        if self._mlflow is not None:
+            try:
+                if self.ok:
+                    self._mlflow.end_run(status=status)
+                else:
+                    _drop_active_run(self.run_id)
+            except Exception as err:
+                self._fail("end_run", err)
+                _drop_active_run(self.run_id)
+        if self.gap is not None:
+            self._record("end", status=status)
+            self.gap_file = write_gap(self.ctx.root, {
+                "stage_run_id": self.stage_run_id, "run_id": self.run_id,
+                "experiment": self.ctx.pipeline, "run_name": self.ctx.stage,
+                "tracking_uri": _safe_uri(), "tags": self._tags, "params": self._params,
+                "recorded": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **self.gap})
+            log.warning("MLflow tracking gap: stage %s/%s %s, its outputs are written, but %d "
+                        "tracking call(s) from `%s` on did not reach MLflow (%s); recorded in %s: "
+                        "run `paperline tracking sync` once MLflow is back",
+                        self.ctx.pipeline, self.ctx.stage,
+                        "finished" if exc_type is None else "failed", len(self.gap["ops"]),
+                        self.gap["failed_at"], self.gap["error"][:200], self.gap_file)
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def find_stage_run(exp_id: str, key: str, parent: str | None, client: Any = None) -> Any:
+    """An earlier run of the same stage (same `dvc.stage_key`) to resume instead of duplicating:
+    under a parent run any such run of that parent; without one only an unfinished run."""
+    from mlflow import MlflowClient
+
+    client = client or MlflowClient()
+    where = f"tags.`dvc.stage_key` = '{key}'"
+    if parent:
+        where += f" and tags.`mlflow.parentRunId` = '{parent}'"
+    runs = client.search_runs([exp_id], filter_string=where, max_results=20,
+                              order_by=["attributes.start_time DESC"])
+    for run in runs:
+        if run.data.tags.get("paperline.method"):
+            continue  # a method run under a stage run carries its stage's key too
+        if parent or (run.info.status != "FINISHED"
+                      and "mlflow.parentRunId" not in run.data.tags):
+            return run
+    return None
+
+
+def _register(client: Any, run_id: str, local_dir: str, name: str, aliases: list[str],
+              tags: dict[str, str], artifact_path: str) -> str:
+    client.log_artifacts(run_id, str(local_dir), artifact_path)
+    try:
+        client.create_registered_model(name)
+    except Exception:
+        pass  # exists already
+    source = f"{client.get_run(run_id).info.artifact_uri.rstrip('/')}/{artifact_path}"
+    version = client.create_model_version(name, source=source, run_id=run_id, tags=tags)
+    for alias in aliases:
+        client.set_registered_model_alias(name, alias, version.version)
+    client.set_tag(run_id, f"paperline.registered.{name}", version.version)
+    return version.version
+
+
+def _annotate(client: Any, sha: str, metrics: dict[str, float]) -> int:
+    versions = client.search_model_versions(f"tags.`paperline.model_sha` = '{sha}'")
+    for v in versions:
+        for k, val in metrics.items():
+            client.set_model_version_tag(v.name, v.version, f"metric.{k}", f"{float(val):.6g}")
+    return len(versions)
+
+
+def _drop_active_run(run_id: str | None) -> None:
+    """Forget the fluent API's active run (and stop its system-metrics thread) without a server."""
+    with contextlib.suppress(Exception):
+        from mlflow.tracking import fluent
+
+        stack = fluent._active_run_stack.get()
+        if stack and stack[-1].info.run_id == run_id:
+            stack.pop()
+        monitor = fluent.run_id_to_system_metrics_monitor.pop(run_id, None)
+        if monitor is not None:
+            monitor.finish()
+
+
+def _safe_uri() -> str:
+    """The tracking URI without any user:password part."""
+    try:
+        import mlflow
+
+        return re.sub(r"//[^/@]*@", "//", mlflow.get_tracking_uri())
+    except Exception:
+        return ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Gaps: what a stage could not log while MLflow was unreachable, replayed by `sync_gaps`
+
+
+def gaps_dir(root: Path) -> Path:
+    """`.paperline/tracking-gaps` of the main repo (also for a stage in a Prefect workspace,
+    `<main>/.paperline/workspaces/<n>`, which is removed after the run)."""
+    root = Path(root).resolve()
+    if root.parent.name == "workspaces" and root.parent.parent.name == ".paperline":
+        root = root.parents[2]
+    return root / ".paperline" / "tracking-gaps"
+
+
+def write_gap(root: Path, record: dict[str, Any]) -> Path:
+    from .io import write_json
+
+    path = gaps_dir(root) / f"{record['experiment']}.{record['run_name']}." \
+                            f"{record['stage_run_id']}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json(path, record)
+    return path
+
+
+def list_gaps(root: Path) -> list[tuple[Path, dict[str, Any]]]:
+    d = gaps_dir(root)
+    return [(p, json.loads(p.read_text())) for p in sorted(d.glob("*.json"))] if d.is_dir() else []
+
+
+def _replay(client: Any, gap: dict[str, Any]) -> str:
+    """Replay one gap; returns the run id it went into. Idempotent: the run is found again by
+    its id, or by the `paperline.stage_run_id` tag it is created with."""
+    from mlflow.entities import Param
+
+    run_id = gap.get("run_id")
+    if not run_id:
+        exp = client.get_experiment_by_name(gap["experiment"])
+        exp_id = exp.experiment_id if exp else client.create_experiment(gap["experiment"])
+        found = client.search_runs(
+            [exp_id], filter_string=f"tags.`paperline.stage_run_id` = '{gap['stage_run_id']}'",
+            max_results=1)
+        parent = gap["tags"].get("mlflow.parentRunId")
+        rerun = (find_stage_run(exp_id, gap["tags"]["dvc.stage_key"], parent, client)
+                 if parent and gap["tags"].get("dvc.stage_key") else None)
+        if found:
+            run_id = found[0].info.run_id
+        elif rerun is not None:  # the stage ran again under the same parent after recovery
+            return rerun.info.run_id  # superseded: that run is the record, no second one
+        else:
+            tags = {**gap["tags"], "paperline.replayed": "true"}
+            run_id = client.create_run(exp_id, tags=tags, run_name=gap["run_name"]).info.run_id
+    client.set_tag(run_id, "paperline.tracking_gap", f"replayed: failed at {gap['failed_at']}")
+    have = client.get_run(run_id).data.params
+    status = "FINISHED"
+    for op in gap["ops"]:
+        kind = op["op"]
+        if kind == "params":
+            new = [Param(k, v) for k, v in op["params"].items() if k not in have]
+            for i in range(0, len(new), 100):
+                client.log_batch(run_id, params=new[i:i + 100])
+            have.update({p.key: p.value for p in new})
+        elif kind == "metrics":
+            _log_new_metrics(client, run_id, op["metrics"], op["timestamp"], op["step"])
+        elif kind == "artifacts":
+            if Path(op["local_dir"]).exists():
+                client.log_artifacts(run_id, op["local_dir"], op["artifact_path"])
+        elif kind == "register_model":
+            if Path(op["local_dir"]).exists() and not client.get_run(run_id).data.tags.get(
+                    f"paperline.registered.{op['name']}"):
+                _register(client, run_id, **{k: v for k, v in op.items() if k != "op"})
+        elif kind == "annotate_model":
+            _annotate(client, op["sha"], op["metrics"])
+        elif kind == "method_run":
+            _replay_method_run(client, run_id, gap, op)
+        elif kind == "end":
+            status = op["status"]
+    client.set_terminated(run_id, status=status)
+    return run_id
+
+
+def _replay_method_run(client: Any, parent_id: str, gap: dict[str, Any], op: dict) -> None:
+    run_id = op.get("run_id")
+    key = f"{gap['stage_run_id']}/{op['group']}/{op['method']}/{op['seed']}"
+    if not run_id:
+        parent = client.get_run(parent_id)
+        found = client.search_runs([parent.info.experiment_id],
+                                   filter_string=f"tags.`paperline.method_run_key` = '{key}'",
+                                   max_results=1)
+        if found:
+            run_id = found[0].info.run_id
+        else:
+            client.set_tag(parent_id, "paperline.aggregate", "true")
+            tags = {"mlflow.parentRunId": parent_id,
+                    "mlflow.runName": f"{op['method']}/seed{op['seed']}",
+                    "paperline.pipeline": gap["experiment"], "paperline.stage": op["group"],
+                    "paperline.method": op["method"], "paperline.seed": str(op["seed"]),
+                    "paperline.profile": gap["tags"].get("paperline.profile", ""),
+                    "paperline.source_stage": gap["run_name"],
+                    "dvc.stage_key": gap["tags"].get("dvc.stage_key", ""),
+                    "paperline.method_run_key": key}
+            run_id = client.create_run(parent.info.experiment_id, tags=tags).info.run_id
+            for k, v in op["params"].items():
+                client.log_param(run_id, k, v)
+    for m in op["metrics"]:
+        _log_new_metrics(client, run_id, m["metrics"], m["timestamp"], m["step"])
+    client.set_terminated(run_id, status=op.get("status", "FINISHED"))
+
+
+def _log_new_metrics(client: Any, run_id: str, metrics: dict[str, float], timestamp: int,
+                     step: int | None) -> None:
+    """Log the values the run does not hold yet (same key, step and value): a replay repeated, or
+    a call that timed out on the client but reached the server, adds nothing."""
+    from mlflow.entities import Metric
+
+    new = []
+    for k, v in metrics.items():
+        have = {(m.step, m.value) for m in client.get_metric_history(run_id, k)}
+        if (int(step or 0), float(v)) not in have:
+            new.append(Metric(k, float(v), timestamp, int(step or 0)))
+    if new:
+        client.log_batch(run_id, metrics=new)
+
+
+def sync_gaps(root: Path, quiet: bool = False) -> dict[str, int]:
+    """Replay every recorded gap into MLflow; a replayed gap's file is removed. Returns
+    {"replayed": n, "left": n}. Safe to run again (see `_replay`)."""
+    gaps = list_gaps(root)
+    out = {"replayed": 0, "left": len(gaps)}
+    if not gaps:
+        return out
+    from mlflow import MlflowClient
+
+    uri = configure(root)
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    for path, gap in gaps:
+        if gap.get("tracking_uri") and gap["tracking_uri"] != _safe_uri():
+            log.warning("gap %s was recorded against %s, not %s: left for that server",
+                        path.name, gap["tracking_uri"], _safe_uri())
+            continue
         try:
-            self._mlflow.end_run(status="FINISHED" if exc_type is None else "FAILED")
-        except Exception as err:
-            self._fail("end_run", err)
+            run_id = _replay(client, gap)
+        except Exception as exc:
+            log.warning("MLflow still unreachable, gap %s left for later: %s", path.name, exc)
+            break
+        path.unlink()
+        out["replayed"] += 1
+        out["left"] -= 1
+        if not quiet:
+            print(f"replayed {gap['experiment']}/{gap['run_name']} ({len(gap['ops'])} calls) "
+                  f"into run {run_id}")
+    return out
 
 
 _BAD_KEY_CHARS = re.compile(r"[^A-Za-z0-9_\-. :/]")
@@ -362,7 +644,13 @@ class MethodRun:
                  params: dict[str, Any] | None):
         self.tracker = tracker
         self.run_id: str | None = None
+        self.record: dict[str, Any] = {"group": group, "method": method, "seed": seed,
+                                       "params": {mlflow_key(k): str(v)[:500] for k, v in
+                                                  _flatten(params or {}).items()},
+                                       "metrics": []}
+        self._gap = False
         if not (tracker.ok and tracker._mlflow and tracker.run_id):
+            self._gap = tracker.gap is not None
             return
         try:
             from mlflow import MlflowClient
@@ -384,24 +672,34 @@ class MethodRun:
                     client.log_param(self.run_id, mlflow_key(k), str(v)[:500])
         except Exception as exc:
             tracker._fail("method_run", exc)
+            self.run_id, self._gap = None, True  # replayed whole (a partial run stays partial)
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        now = _now_ms()
+        values = {mlflow_key(k): float(v) for k, v in metrics.items()}
+        self.record["metrics"].append({"metrics": values, "step": int(step or 0),
+                                       "timestamp": now})
         if self.run_id is None:
             return
         try:
             from mlflow.entities import Metric
 
-            now = int(time.time() * 1000)
             self._client.log_batch(self.run_id, metrics=[
-                Metric(mlflow_key(k), float(v), now, int(step or 0)) for k, v in metrics.items()])
+                Metric(k, v, now, int(step or 0)) for k, v in values.items()])
         except Exception as exc:
             self.tracker._fail("method_run.log_metrics", exc)
+            self.record["run_id"], self._gap = self.run_id, True  # replay into this run
 
     def end(self, status: str) -> None:
+        if self._gap:
+            self.tracker._record("method_run", **self.record, status=status)
         if self.run_id is None:
             return
         try:
             self._client.set_terminated(self.run_id, status=status)
         except Exception as exc:
             self.tracker._fail("method_run.end", exc)
+            if not self._gap:
+                self.tracker._record("method_run", **self.record, run_id=self.run_id,
+                                     status=status)
         self.run_id = None
