@@ -1,0 +1,75 @@
+"""The `racer` pipeline end to end at `smoke` through real `dvc repro` (after the shared stages)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+
+from tests.conftest import dvc, paperline
+from tests.pipelines.test_base_pipeline import mlflow_client
+
+pytestmark = pytest.mark.slow
+
+P = Path("pipelines/racer")
+
+
+@pytest.fixture(scope="module")
+def racer_repo(smoke_repo: Path) -> Path:
+    proc = paperline(smoke_repo, "repro", "racer", timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return smoke_repo
+
+
+def test_outcomes_features_and_routers(racer_repo: Path):
+    out = pl.read_parquet(racer_repo / P / "data/outcomes/train.parquet")
+    assert out.height == 64
+    for judge in ("direct", "reasoning"):
+        # a malformed output is counted and scored wrong, never a crash
+        assert not (out[f"{judge}_malformed"] & out[f"{judge}_correct"]).any()
+        assert (out[f"{judge}_tokens"] >= 1).all()
+    m = json.loads((racer_repo / P / "metrics/judge_outcomes.json").read_text())
+    assert m["direct/malformed"] == float(sum(
+        pl.read_parquet(racer_repo / P / f"data/outcomes/{s}.parquet")["direct_malformed"].sum()
+        for s in ("train", "val", "test_iid", "test_hard")))
+    hard = pl.read_parquet(racer_repo / P / "data/items/test_hard.parquet")["difficulty"].mean()
+    easy = pl.read_parquet(racer_repo / P / "data/items/train.parquet")["difficulty"].mean()
+    assert hard > easy                                     # the shift: harder test mix
+    x = np.load(racer_repo / P / "data/features/train.npy")
+    assert x.shape == (64, 384) and np.isfinite(x).all()   # MiniLM, offline
+    for arm in ("erm", "racer"):
+        for c in ("C1.3", "C1.5"):
+            for seed in (0, 1):
+                assert (racer_repo / P / "routers" / arm / c / f"seed{seed}"
+                        / "model.safetensors").is_file()
+
+
+def test_solver_check_matches_cvxpy(racer_repo: Path):
+    s = json.loads((racer_repo / P / "metrics/solver_check.json").read_text())
+    assert s["max_abs_dp"] < 1e-2
+    assert s["max_rate"] < 1.0
+
+
+def test_evaluate_readme_and_registry(racer_repo: Path):
+    m = json.loads((racer_repo / P / "metrics/evaluate.json").read_text())
+    for method in ("erm", "racer", "random", "threshold"):
+        for split in ("test_iid", "test_hard"):
+            assert 0.0 <= m[f"{method}/C1.3/{split}/acc_mean"] <= 1.0
+            assert 0.0 <= m[f"{method}/C1.3/{split}/violation_rate"] <= 1.0
+    assert m["always_reasoning/test_hard/cost_mean"] > m["always_direct/test_hard/cost_mean"]
+    readme = (racer_repo / P / "README.md").read_text()
+    block = readme.split("<!-- results:start")[1].split("<!-- results:end")[0]
+    assert "| racer |" in block and f"{m['racer/C1.3/test_hard/acc_mean']:.3f}" in block
+
+    proc = paperline(racer_repo, "compare", "racer")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rm = mlflow_client(racer_repo).get_registered_model("racer-router")
+    assert {"racer", "erm"} <= set(rm.aliases)
+
+
+def test_second_repro_of_the_pipeline_does_nothing(racer_repo: Path):
+    out = dvc(racer_repo, "repro", str(P / "dvc.yaml")).stdout
+    assert "Running stage" not in out, out[-2000:]

@@ -1,0 +1,121 @@
+"""RACER math on hand-computed numbers, the solver against cvxpy, judges' parsing, baselines."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from stages.evaluate.racer_compare import random_share, threshold_at_budget
+from stages.verify import racer
+from stages.verify.racer_judges import (direct_target, judge_prompt, mix_counts,
+                                        parse_verdict, reasoning_target, stated_value)
+from stages.verify.racer_outcomes import score
+
+E = math.e
+
+
+def test_worst_case_cost_weights_up_weight_high_cost():
+    # rho~ ∝ (1/2)[e^{-1/2}, e^{1/2}] -> [1/(1+e), e/(1+e)]; density ratios x2
+    w = racer.kl_tilt_weights(np.array([0.0, 1.0]), tau=1.0, sign=+1)
+    assert w == pytest.approx([2 / (1 + E), 2 * E / (1 + E)])      # [0.5379, 1.4621]
+    assert w.mean() == pytest.approx(1.0)
+
+
+def test_worst_case_reward_weights_up_weight_low_reward():
+    w = racer.kl_tilt_weights(np.array([0.0, 1.0]), tau=1.0, sign=-1)
+    assert w == pytest.approx([2 * E / (1 + E), 2 / (1 + E)])
+    assert racer.kl_tilt_weights(np.array([0.0, 1.0]), tau=None, sign=-1) == pytest.approx([1, 1])
+    # log-sum-exp keeps tiny temperatures finite: all mass on the worst item
+    assert racer.kl_tilt_weights(np.array([0.0, 1000.0]), 1e-3, +1) == pytest.approx([0.0, 2.0])
+    with pytest.raises(ValueError, match="tau"):
+        racer.kl_tilt_weights(np.array([0.0, 1.0]), 0.0, +1)
+
+
+def test_robust_reward_and_cost_closed_forms():
+    f = np.array([0.0, 1.0])
+    assert racer.robust_cost(f, 1.0) == pytest.approx(math.log((1 + E) / 2))       # 0.6201
+    assert racer.robust_reward(f, 1.0) == pytest.approx(-math.log((1 + 1 / E) / 2))  # 0.3799
+    assert racer.robust_cost(f, None) == racer.robust_reward(f, None) == 0.5
+    # as tau -> inf the robust values approach the mean; as tau -> 0 the worst case
+    assert racer.robust_cost(f, 1e4) == pytest.approx(0.5, abs=1e-4)
+    assert racer.robust_cost(f, 1e-3) == pytest.approx(1.0, abs=1e-2)
+
+
+def test_multiplier_step_grows_when_over_budget():
+    # closed form max(0, (C_U - C)/beta)
+    assert racer.multiplier_step(0.0, 3.5, 3.0, 0.01) == pytest.approx(50.0)
+    assert racer.multiplier_step(7.0, 2.5, 3.0, 0.01) == 0.0
+    # damped: 1 - 0.5 * (0.1 * 1 - 0.5) = 1.2 (over budget: up); 1 - 0.5 * (0.1 + 0.5) = 0.7
+    assert racer.multiplier_step(1.0, 3.5, 3.0, 0.1, eta=0.5) == pytest.approx(1.2)
+    assert racer.multiplier_step(1.0, 2.5, 3.0, 0.1, eta=0.5) == pytest.approx(0.7)
+    assert racer.multiplier_step(0.1, 0.0, 3.0, 0.1, eta=0.5) == 0.0          # projected
+
+
+def test_policy_step_softmax_of_weighted_gain():
+    r, c = np.array([[0.0, 1.0]]), np.array([[1.0, 3.0]])
+    # gain = 1*1 - 0.25*1*2 = 0.5; p = sigmoid(0.5/0.5)
+    p = racer.policy_step(r, c, np.ones(1), np.ones(1), lam=0.25, beta=0.5)
+    assert p == pytest.approx([1 / (1 + math.exp(-1))])
+    assert racer.policy_step(r, c, np.ones(1), np.ones(1), lam=1.0, beta=0.0) == [0.0]
+    assert racer.entropy(np.array([0.5])) == pytest.approx([math.log(2)])
+
+
+def test_linear_rate_of_a_geometric_sequence():
+    q, r2 = racer.linear_rate(0.5 ** np.arange(20))
+    assert q == pytest.approx(0.5) and r2 == pytest.approx(1.0)
+
+
+def _instance(n: int = 12, seed: int = 3) -> tuple[np.ndarray, np.ndarray, float]:
+    rng = np.random.default_rng(seed)
+    d = rng.integers(2, 6, n)
+    r = np.stack([rng.random(n) < 1.0 - 0.15 * d, rng.random(n) < 0.95], 1).astype(float)
+    c = np.stack([np.ones(n), 1 + 2 * d + rng.random(n)], 1)
+    c = c / c.max()
+    return r, c, float(np.mean(c[:, 0] + 0.3 * (c[:, 1] - c[:, 0])))
+
+
+@pytest.mark.parametrize("taus", [(None, None), (0.5, 1.0)])
+def test_primal_dual_matches_cvxpy_and_converges_linearly(taus):
+    r, c, budget = _instance()
+    ref = racer.solve_cvxpy(r, c, budget, beta=0.1, tau_r=taus[0], tau_c=taus[1])
+    assert ref["lam"] > 0       # the budget binds: reasoning everywhere would cost more
+    m = float(np.abs(c[:, 1] - c[:, 0]).max())
+    k = 1.0 if taus[1] is None else math.exp(m / taus[1])
+    pd = racer.primal_dual(r, c, budget, beta=0.1, tau_r=taus[0], tau_c=taus[1], iters=3000,
+                           eta=1 / (0.1 + (m * k) ** 2 / 0.4), alpha=0.1)
+    assert np.abs(pd["p"] - ref["p"]).max() < 1e-3
+    assert pd["lam"] == pytest.approx(ref["lam"], abs=1e-3)
+    q, r2 = racer.linear_rate(np.abs(pd["lams"] - ref["lam"]))
+    assert q < 1.0 and r2 > 0.8       # a straight line on the log scale: linear rate
+
+
+def test_verdict_parsing_and_malformed_outputs():
+    assert stated_value(" 23+45=68; 68-17=51 #### 51") == 51
+    assert stated_value(" 23+45-17=-51") == -51
+    assert parse_verdict(" 23+45-17=51", 51) == "yes"
+    assert parse_verdict(" 23+45=68; 68-17=51 #### 51", 50) == "no"
+    assert parse_verdict("", 3) is None and parse_verdict(" 23+45=68; 68-1", 51) is None
+    assert score(True, 51, " 23+45-17=51") == (True, False)
+    assert score(False, 50, " 23+45-17=50") == (False, False)     # agrees with a wrong answer
+    assert score(False, 50, " 23+45-17=51") == (True, False)
+    assert score(True, 51, "garbage") == (False, True)    # malformed: counted, scored wrong
+
+
+def test_judge_formats_and_mixes():
+    assert judge_prompt("23+45-17", 51) == "Check 51. Q: 23+45-17=? A:"
+    assert reasoning_target("23+45-17") == " 23+45=68; 68-17=51 #### 51"
+    assert direct_target("23+45-17") == " 23+45-17=51"
+    assert mix_counts(10, [0.4, 0.3, 0.2, 0.1]) == [4, 3, 2, 1]
+    assert sum(mix_counts(7, [1, 1, 1])) == 7
+
+
+def test_budget_baselines():
+    c = np.array([[1.0, 5.0], [1.0, 9.0]])     # mean c0 = 1, mean c1 = 7
+    assert random_share(c, 4.0) == pytest.approx(0.5)
+    assert random_share(c, 0.5) == 0.0 and random_share(c, 9.0) == 1.0
+    score_ = np.array([0.9, 0.1])
+    t = threshold_at_budget(score_, c, 3.0)    # first item adds 2 -> 3.0 fits, second does not
+    assert (score_ > t).tolist() == [True, False]
+    assert threshold_at_budget(score_, c, 1.0) == float("inf")
