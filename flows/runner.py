@@ -36,8 +36,9 @@ while it runs, so GPU stages never oversubscribe the GPUs of this machine. A GPU
 its GPU slots before it takes a workspace (one of `max_parallel`), so CPU stages never queue
 behind GPU stages waiting for a GPU. `max_parallel` bounds the stage processes running at once
 (the workspaces in use); the Prefect thread pool has a thread per stage, because a task waiting on
-its upstream (`wait_for`) holds a thread. Routing a GPU stage to a separate GPU work pool is the job
-of `route_stage()` (today: always this process).
+its upstream (`wait_for`) holds a thread. Routing a GPU stage to a separate GPU work pool, with
+each worker in its own clone, is flows/distributed.py (`paperline run --distributed`), through
+`route_stage()`.
 
 Tracking. One MLflow parent run per execution (`start_parent_run`, tags `prefect.flow_run_id`,
 `paperline.profile`); every stage process gets `PAPERLINE_PARENT_RUN_ID`, `PAPERLINE_FLOW_RUN_ID`
@@ -188,11 +189,13 @@ def load_plan(root: Path, pipeline: str, targets: list[str] | None = None,
     return plan
 
 
-def route_stage(stage: StagePlan) -> str:
-    """Where a stage runs. Hook for GPU work pools: return a deployment/pool name for stages with
-    `stage.gpus > 0` and dispatch them with `prefect.deployments.run_deployment` in `_stage_task`.
-    Today every stage runs in this flow's process, GPU stages under the `paperline-gpu` limit."""
-    return "local"
+def route_stage(stage: StagePlan, pools: dict[str, str] | None = None) -> str:
+    """Where a stage runs. Without `pools` (this module's flow): "local", this flow's process, GPU
+    stages under the `paperline-gpu` limit. With `pools` ({"cpu": ..., "gpu": ...}, the workers
+    of flows/distributed.py): the work pool, `pools["gpu"]` for stages with `meta: {gpus: N}`."""
+    if pools is None:
+        return "local"
+    return pools["gpu"] if stage.gpus > 0 else pools["cpu"]
 
 
 # ---------------------------------------------------------------------------------------------
