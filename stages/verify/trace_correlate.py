@@ -1,0 +1,140 @@
+"""Stage `correlate` of the TRACE pipeline: does TRACE track accuracy across generators?
+
+Paper: across 7 reasoning models, mean TRACE vs benchmark accuracy, Pearson r = 0.74 (perplexity
+r ~ 0.3, length r ~ 0.1 [secondary]). Here (spec §4 "Correlation study"), over the generator
+conditions of stage `score` (policy checkpoint x temperature):
+
+- Pearson and Spearman r of mean TRACE vs accuracy, with a bootstrap 95% CI over conditions
+  (few points, so Spearman too); the same for the baselines, each oriented so that higher
+  should mean better: negative perplexity (-exp(mean NLL)) and response length;
+- per sample: point-biserial r (Pearson with the 0/1 correctness) of each score;
+- best-of-N reranking inside each condition: pick the sample with the highest TRACE vs a random
+  pick (the expected accuracy of one sample) vs the longest, and the oracle (pass@N).
+
+    python -m stages trace correlate
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Any, Sequence
+
+import polars as pl
+from pydantic import BaseModel, ConfigDict, Field
+
+from stages.core import io
+
+SCORES = ("trace", "neg_ppl", "length")
+
+
+class Config(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    scores: str = Field("scores", description="paths key of the score output")
+    bootstrap: int = Field(1000, ge=0, le=1_000_000, description="bootstrap resamples over "
+                                                                 "conditions (0: none)")
+    plot: str = Field("plots/trace_vs_acc.csv", description="plot CSV, relative to the pipeline")
+
+
+def pearson(x: Sequence[float], y: Sequence[float]) -> float:
+    """Pearson r; NaN when either side is constant or there are < 2 points."""
+    n = len(x)
+    if n < 2:
+        return math.nan
+    mx, my = sum(x) / n, sum(y) / n
+    sxy = sum((a - mx) * (b - my) for a, b in zip(x, y))
+    sxx = sum((a - mx) ** 2 for a in x)
+    syy = sum((b - my) ** 2 for b in y)
+    return sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else math.nan
+
+
+def ranks(values: Sequence[float]) -> list[float]:
+    """Average ranks (1-based), ties share the mean rank."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    out = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            out[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return out
+
+
+def spearman(x: Sequence[float], y: Sequence[float]) -> float:
+    return pearson(ranks(x), ranks(y))
+
+
+def bootstrap_ci(x: Sequence[float], y: Sequence[float], n: int, seed: int = 0
+                 ) -> tuple[float, float]:
+    """Percentile 95% CI of Pearson r over resampled (x, y) points; NaN draws are dropped."""
+    rng = random.Random(seed)
+    idx = range(len(x))
+    rs = []
+    for _ in range(n):
+        pick = [rng.choice(idx) for _ in idx]
+        r = pearson([x[i] for i in pick], [y[i] for i in pick])
+        if not math.isnan(r):
+            rs.append(r)
+    if not rs:
+        return math.nan, math.nan
+    rs.sort()
+    return rs[int(0.025 * (len(rs) - 1))], rs[int(0.975 * (len(rs) - 1))]
+
+
+def per_condition(samples: pl.DataFrame) -> pl.DataFrame:
+    """Mean accuracy and scores per generator condition."""
+    return (samples.with_columns((-pl.col("nll").exp()).alias("neg_ppl"))
+            .group_by("condition", maintain_order=True)
+            .agg(pl.col("correct").cast(pl.Float64).mean().alias("acc"),
+                 *[pl.col(s).cast(pl.Float64).mean() for s in SCORES],
+                 pl.col("mix").first(), pl.col("steps").first(), pl.col("temperature").first())
+            .sort("condition"))
+
+
+def best_of_n(samples: pl.DataFrame, seed: int = 0) -> dict[str, float]:
+    """Accuracy when each prompt's samples are reranked by TRACE / at random / by length."""
+    rng = random.Random(seed)
+    got = {"trace": [], "random": [], "length": [], "oracle": []}
+    for _, g in samples.group_by(["condition", "id"], maintain_order=True):
+        rows = g.to_dicts()
+        if len(rows) < 2:
+            continue
+        got["trace"].append(max(rows, key=lambda r: (r["trace"], -r["sample"]))["correct"])
+        got["length"].append(max(rows, key=lambda r: (r["length"], -r["sample"]))["correct"])
+        got["random"].append(rng.choice(rows)["correct"])
+        got["oracle"].append(any(r["correct"] for r in rows))
+    return {f"bon_{k}": sum(v) / len(v) for k, v in got.items() if v}
+
+
+def run(cfg: Config, ctx: Any) -> dict[str, float]:
+    samples = pl.read_parquet(ctx.path(cfg.scores) / "samples.parquet")
+    if samples.is_empty():
+        raise ValueError(f"{cfg.scores}/samples.parquet: no samples")
+    cond = per_condition(samples)
+    acc = cond["acc"].to_list()
+    m: dict[str, float] = {"conditions": float(cond.height)}
+    per_sample = samples.with_columns((-pl.col("nll").exp()).alias("neg_ppl"))
+    correct = per_sample["correct"].cast(pl.Float64).to_list()
+    for s in SCORES:
+        xs = cond[s].to_list()
+        m[f"pearson/{s}"] = pearson(xs, acc)
+        m[f"spearman/{s}"] = spearman(xs, acc)
+        if cfg.bootstrap:
+            m[f"ci_low/{s}"], m[f"ci_high/{s}"] = bootstrap_ci(xs, acc, cfg.bootstrap, ctx.seed)
+        m[f"point_biserial/{s}"] = pearson(per_sample[s].cast(pl.Float64).to_list(), correct)
+    m |= best_of_n(samples, ctx.seed)
+    for r in cond.iter_rows(named=True):
+        m[f"{r['condition']}/acc"] = r["acc"]
+        m[f"{r['condition']}/trace"] = r["trace"]
+    plot = ctx.pipeline_dir / cfg.plot
+    plot.parent.mkdir(parents=True, exist_ok=True)
+    with io.atomic_path(plot) as tmp:
+        cond.select("condition", "mix", "steps", "temperature", "acc", *SCORES).write_csv(tmp)
+    print(f"correlate: {cond.height} conditions, Pearson r(TRACE, acc) = "
+          f"{m['pearson/trace']:.3f} (PPL {m['pearson/neg_ppl']:.3f}, "
+          f"length {m['pearson/length']:.3f})")
+    return m

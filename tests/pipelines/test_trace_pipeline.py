@@ -1,0 +1,76 @@
+"""The `trace` pipeline end to end at `smoke` through real `dvc repro` (after the shared stages)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from stages.verify import trace
+from tests.conftest import dvc, paperline
+from tests.pipelines.test_base_pipeline import mlflow_client
+
+pytestmark = pytest.mark.slow
+
+P = Path("pipelines/trace")
+CONDITIONS = ["d10_s2", "d10_s4", "d90_s2", "d90_s4"]  # smoke: 2 mixes x 2 checkpoints
+
+
+@pytest.fixture(scope="module")
+def trace_repo(smoke_repo: Path) -> Path:
+    proc = paperline(smoke_repo, "repro", "trace", timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return smoke_repo
+
+
+def test_corpus_tagger_and_llm_labeler(trace_repo: Path):
+    corpus = json.loads((trace_repo / P / "metrics/corpus.json").read_text())
+    assert corpus["n_sft_traces"] == 40 * 5
+    assert corpus["correct_share/good"] > corpus["correct_share/unsupported"]
+    lab = json.loads((trace_repo / P / "metrics/label.json").read_text())
+    assert 0.0 <= lab["macro_f1"] <= 1.0 and lab["n_test"] == 40
+    # the LLM option ran on the tiny base model: its replies are counted, never raised
+    assert lab["llm_rows"] == 8 and 0 <= lab["llm_malformed"] <= 8
+    assert lab["llm_malformed_rate"] == pytest.approx(lab["llm_malformed"] / 8)
+    tagger = trace.ClassifierTagger.load(trace_repo / P / "models/tagger")
+    assert tagger.tag(["So 12+7=19."]) and len(tagger.tag(["a.", "b."])) == 2
+
+
+def test_samples_carry_trace_recomputable_from_their_labels(trace_repo: Path):
+    samples = pl.read_parquet(trace_repo / P / "data/scores/samples.parquet")
+    assert sorted(samples["policy"].unique().to_list()) == CONDITIONS
+    assert samples.height == len(CONDITIONS) * 8 * 2          # 8 prompts x 2 samples
+    tables = trace.Tables.model_validate(json.loads(
+        (trace_repo / P / "data/scores/tables.json").read_text()))
+    for r in samples.head(12).iter_rows(named=True):
+        again = trace.trace_score([frozenset(l) for l in r["labels"]], tables)
+        assert r["trace"] == pytest.approx(again["trace"])
+        assert r["n_sentences"] == len(r["labels"])
+    cor = json.loads((trace_repo / P / "metrics/correlate.json").read_text())
+    assert cor["conditions"] == len(CONDITIONS)
+    assert "pearson/trace" in cor and "point_biserial/length" in cor
+
+
+def test_rl_arms_compare_readme_and_registry(trace_repo: Path):
+    for arm, weight in (("rl_acc", 0.0), ("rl_trace", 0.5)):
+        m = json.loads((trace_repo / P / f"metrics/{arm}.json").read_text())
+        assert m["seeds"] == 2 and m["trace_weight"] == weight          # smoke: 2 seeds
+        assert 0.0 <= m["final_acc_mean"] <= 1.0 and m["final_acc_std"] >= 0.0
+        assert 0.0 <= m["final_trace_mean"] <= 1.0
+        finals = pl.read_parquet(trace_repo / P / "runs" / arm / "finals.parquet")
+        assert finals["seed"].to_list() == [0, 1]
+    proc = paperline(trace_repo, "report")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    readme = (trace_repo / P / "README.md").read_text()
+    block = readme.split("<!-- results:start")[1].split("<!-- results:end")[0]
+    lab = json.loads((trace_repo / P / "metrics/label.json").read_text())
+    assert f"| {lab['macro_f1']:.3f} |" in block and "| rl_trace | 0.5 |" in block
+    proc = paperline(trace_repo, "compare", "trace")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    client = mlflow_client(trace_repo)
+    assert client.get_model_version_by_alias("trace-tagger", "champion") is not None
+    assert set(client.get_registered_model("trace-policy").aliases) == {"rl-acc", "rl-trace"}
+    out = dvc(trace_repo, "repro", str(P / "dvc.yaml")).stdout
+    assert "Running stage" not in out, out[-2000:]

@@ -1,0 +1,138 @@
+"""TRACE: the score on hand-labelled sentences (hand-computed values), the splitter, the LLM
+labeler's malformed replies, the Toulmin task family and the correlation helpers."""
+
+from __future__ import annotations
+
+import math
+
+import polars as pl
+import pytest
+from pydantic import ValidationError
+
+from stages.tasks import arith, toulmin
+from stages.verify import trace
+from stages.verify.trace_correlate import best_of_n, pearson, ranks, spearman
+
+T = trace.Tables()  # the spec's default tables, alpha = 0.7
+
+
+def L(*sets: str) -> list[frozenset[str]]:
+    return [frozenset(s) for s in sets]
+
+
+def test_well_argued_step_scores_by_hand():
+    # "Given 12 and 7." {D} "Adding joins both." {W} "So 12+7=19." {C} "Let me check." {M}
+    # "19-7=12, right." {E}
+    # V = (1 + 1 + 1 + 0.5 [{M} vs {M,E}] + 1) / 5 = 0.9
+    # C = (D>W 1 + W>C 1 + C>M 0.5 + M>E 1) / 4 = 0.875
+    s = trace.trace_score(L("D", "W", "C", "M", "E"), T)
+    assert s["v_state"] == pytest.approx(0.9)
+    assert s["c_trans"] == pytest.approx(0.875)
+    assert s["trace"] == pytest.approx(0.7 * 0.9 + 0.3 * 0.875)      # 0.8925
+
+
+def test_hedge_loop_scores_low_by_hand():
+    # "Maybe." {Q} "Perhaps." {Q} "Maybe 12+7=19." {Q,C}
+    # V: {Q} best J 0.5 ({Q,C}), capped 0.5; {Q,C} J 1 capped 0.5 -> V = 0.5
+    # C: Q>Q 0; {Q}->{Q,C}: (Q>Q 0 + Q>C 0.5) / 2 = 0.25 -> C = 0.125
+    s = trace.trace_score(L("Q", "Q", "QC"), T)
+    assert s["v_state"] == pytest.approx(0.5)
+    assert s["c_trans"] == pytest.approx(0.125)
+    assert s["trace"] == pytest.approx(0.3875)
+
+
+def test_compound_monitor_chain_and_empty_sets_by_hand():
+    # {D,W,C} (the spec's Pythagoras example) is allowed: J = 1; M alone 0.5; E 1
+    # V = (1 + .5 + .5 + 1) / 4 = .75; C = ((.5+.5+.5)/3 + M>M 0 + M>E 1) / 3 = .5
+    s = trace.trace_score(L("DWC", "M", "M", "E"), T)
+    assert (s["v_state"], s["c_trans"]) == pytest.approx((0.75, 0.5))
+    assert s["trace"] == pytest.approx(0.675)
+    # an empty label set: J = 0, and both of its pairs weigh 0.5
+    s = trace.trace_score(L("C", "", "D"), T)
+    assert (s["v_state"], s["c_trans"]) == pytest.approx((2 / 3, 0.5))
+    assert s["trace"] == pytest.approx(0.7 * 2 / 3 + 0.15)
+
+
+def test_state_validity_edges():
+    assert trace.state_validity("BWC", T) == pytest.approx(2 / 3)     # vs {W,C} or {B,W}
+    assert trace.state_validity("QC", T) == 0.5                        # a hedged claim
+    assert trace.state_validity("", T) == 0.0
+    assert trace.trace_score(L("C"), T) == pytest.approx(
+        {"v_state": 1.0, "c_trans": 0.5, "trace": 0.85})               # one sentence
+    assert trace.trace_score([], T)["trace"] == 0.0
+
+
+def test_tables_are_validated():
+    with pytest.raises(ValidationError, match="transition 'X>C'"):
+        trace.Tables(good=["X>C"])
+    with pytest.raises(ValidationError, match="both good and bad"):
+        trace.Tables(good=["M>M"])
+    with pytest.raises(ValidationError, match="allowed state"):
+        trace.Tables(allowed=["CZ"])
+    assert trace.Tables(alpha=1.0, allowed=["C"]).weight("Q", "Q") == 0.0
+
+
+def test_splitter_keeps_decimals_and_matches_generated_traces():
+    assert trace.split_sentences("Given 3.5 and 2. So 3.5+2=5.5. Let me check.") == [
+        "Given 3.5 and 2.", "So 3.5+2=5.5.", "Let me check."]
+    cfg = toulmin.Config(policy_variants=5)
+    rows = arith.generate(cfg.arith, 40, 0)
+    for t in toulmin.traces(cfg, rows, 0):
+        assert trace.split_sentences(trace.cot_block(t["target"])) == t["sentences"]
+        assert len(t["labels"]) == len(t["sentences"])
+        assert toulmin.verify_answer(t, t["target"]) == t["correct"]
+
+
+def test_llm_replies_parse_or_count_as_malformed():
+    assert trace.parse_llm_labels("C, D") == frozenset("CD")
+    assert trace.parse_llm_labels("Warrant Claim.\nmore text") == frozenset("WC")
+    assert trace.parse_llm_labels(" none") == frozenset()
+    for bad in ("", "12+7=19", "C, X", "Labels: ??"):
+        assert trace.parse_llm_labels(bad) is None
+
+    class Replies:  # a stand-in server: fixed replies, one per prompt
+        def complete(self, prompts, **_):
+            from stages.models.backend import Completion
+            texts = ["C", "garbage 1+1", "", "Monitoring, Evaluation"]
+            return [[Completion(texts[i % 4], 1)] for i in range(len(prompts))]
+
+    tagger = trace.LLMTagger(Replies())
+    got = tagger.tag(["a.", "b.", "c.", "d."])
+    assert got == [frozenset("C"), frozenset(), frozenset(), frozenset("ME")]
+    assert tagger.malformed == 2 and tagger.calls == 4
+
+
+def test_toulmin_traces_are_deterministic_and_structured():
+    cfg = toulmin.Config()
+    rows = arith.generate(cfg.arith, 30, 1)
+    a, b = toulmin.traces(cfg, rows, 1), toulmin.traces(cfg, rows, 1)
+    assert a == b and len(a) == 5 * len(rows)
+    for t in a:
+        assert len(t["prompt"]) + len(t["target"]) <= cfg.max_chars
+        if t["kind"] == "unsupported":
+            assert set(t["labels"]) == {"C"}
+        if t["kind"] == "hedge_loop":
+            assert all("Q" in l for l in t["labels"])
+    good = [t for t in a if t["kind"] == "good"]
+    assert sum(t["correct"] for t in good) / len(good) > 0.8
+    # gold labels of a fixed sentence
+    s = arith.Step(12, "+", 7, 19)
+    import random
+    assert toulmin.sentence(random.Random(0), "DWC", s, 19, 1) == ("Since 12+7 is a sum, 19.",
+                                                                  "CDW")
+    assert toulmin.sentence(random.Random(0), "WC", arith.Step(9, "-", 4, 5), 5, 1) == (
+        "Sub: 9-4=5.", "CW")
+
+
+def test_correlation_helpers_by_hand():
+    # x = 1,2,3; y = 2,4,7: sxy = 5, sxx = 2, syy = 114/9 -> r = 5 / sqrt(2 * 114 / 9)
+    assert pearson([1, 2, 3], [2, 4, 7]) == pytest.approx(5 / math.sqrt(228 / 9))
+    assert math.isnan(pearson([1, 1], [2, 3]))
+    assert ranks([1, 1, 2]) == [1.5, 1.5, 3.0]
+    assert spearman([1, 2, 3], [10, 20, 15]) == pytest.approx(0.5)
+    samples = pl.DataFrame({
+        "condition": ["a"] * 4, "id": ["p", "p", "q", "q"], "sample": [0, 1, 0, 1],
+        "trace": [0.9, 0.1, 0.2, 0.8], "length": [10, 50, 60, 5],
+        "correct": [True, False, False, True]})
+    bon = best_of_n(samples)
+    assert bon["bon_trace"] == 1.0 and bon["bon_length"] == 0.0 and bon["bon_oracle"] == 1.0
