@@ -79,12 +79,23 @@ def dvc(repo: Path, *args: str, check: bool = True, timeout: int = 900) -> subpr
     return proc
 
 
+# Under `-n 2 --dist loadgroup` the pipeline tests form two groups of about equal time, each
+# run whole by one worker (so each worker builds the session's `smoke_repo` once); the unit,
+# Prefect and server tests fill in around them.
+PIPELINE_GROUPS = {
+    "test_base_pipeline.py": "pipelines-a", "test_hsir_pipeline.py": "pipelines-a",
+    "test_r2vpo_pipeline.py": "pipelines-a", "test_bis_pipeline.py": "pipelines-a",
+    "test_edco_pipeline.py": "pipelines-b", "test_racer_pipeline.py": "pipelines-b",
+    "test_trace_pipeline.py": "pipelines-b", "test_proofverify_pipeline.py": "pipelines-b",
+}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under `-n 2 --dist loadgroup`, every pipeline test runs in one worker, so the session's
-    `smoke_repo` (the base pipeline at smoke) is built once; the other worker takes the rest."""
     for item in items:
-        if "tests/pipelines/" in item.nodeid.replace("\\", "/"):
-            item.add_marker(pytest.mark.xdist_group("pipelines"))
+        path = item.nodeid.replace("\\", "/").split("::")[0]
+        if path.startswith("tests/pipelines/"):
+            group = PIPELINE_GROUPS.get(path.rsplit("/", 1)[-1], "pipelines-b")
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(scope="session")

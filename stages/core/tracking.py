@@ -186,10 +186,10 @@ class StageTracker:
 
     def _fail(self, what: str, exc: BaseException) -> None:
         if self.ok:
+            error = _redact(f"{type(exc).__name__}: {exc}")  # MLflow's message carries the URL
             log.warning("MLflow tracking unavailable (%s): %s; outputs are still written, the "
-                        "rest of this stage's tracking is recorded as a gap", what, exc)
-            self.gap = {"failed_at": what, "error": f"{type(exc).__name__}: {exc}"[:500],
-                        "ops": []}
+                        "rest of this stage's tracking is recorded as a gap", what, error)
+            self.gap = {"failed_at": what, "error": error[:500], "ops": []}
         self.ok = False
 
     def _record(self, op: str, **args: Any) -> None:
@@ -424,6 +424,11 @@ def _drop_active_run(run_id: str | None) -> None:
             monitor.finish()
 
 
+def _redact(text: str) -> str:
+    """Any `scheme://user:password@host` in `text` without its user:password part."""
+    return re.sub(r"//[^/@\s]*@", "//", text)
+
+
 def _safe_uri() -> str:
     """The tracking URI without any user:password part."""
     try:
@@ -459,7 +464,16 @@ def write_gap(root: Path, record: dict[str, Any]) -> Path:
 
 def list_gaps(root: Path) -> list[tuple[Path, dict[str, Any]]]:
     d = gaps_dir(root)
-    return [(p, json.loads(p.read_text())) for p in sorted(d.glob("*.json"))] if d.is_dir() else []
+    if not d.is_dir():
+        return []
+    gaps = [(p, json.loads(p.read_text())) for p in d.glob("*.json")]
+    # replay in recording order: a stage that registers a model before the one annotating it
+    return sorted(gaps, key=lambda g: (g[1].get("recorded", ""), g[0].name))
+
+
+class GapNotReady(Exception):
+    """A gap that cannot be replayed faithfully yet (or any more): kept, reported, not retried
+    as if MLflow were down."""
 
 
 def _replay(client: Any, gap: dict[str, Any]) -> str:
@@ -497,20 +511,40 @@ def _replay(client: Any, gap: dict[str, Any]) -> str:
         elif kind == "metrics":
             _log_new_metrics(client, run_id, op["metrics"], op["timestamp"], op["step"])
         elif kind == "artifacts":
-            if Path(op["local_dir"]).exists():
-                client.log_artifacts(run_id, op["local_dir"], op["artifact_path"])
+            if not Path(op["local_dir"]).exists():
+                raise GapNotReady(f"{op['local_dir']} is gone: its artifacts cannot be logged")
+            client.log_artifacts(run_id, op["local_dir"], op["artifact_path"])
         elif kind == "register_model":
-            if Path(op["local_dir"]).exists() and not client.get_run(run_id).data.tags.get(
-                    f"paperline.registered.{op['name']}"):
+            local = Path(op["local_dir"])
+            sha = op["tags"].get("paperline.model_sha")
+            if not local.exists() or (sha and model_fingerprint(local) != sha):
+                raise GapNotReady(f"{local} is gone or changed since the stage ran: model "
+                                  f"{op['name']} would be registered from other weights")
+            if not _registered(client, run_id, op["name"], op["artifact_path"]):
                 _register(client, run_id, **{k: v for k, v in op.items() if k != "op"})
         elif kind == "annotate_model":
-            _annotate(client, op["sha"], op["metrics"])
+            if _annotate(client, op["sha"], op["metrics"]) == 0:
+                raise GapNotReady(f"no registered model version has sha {op['sha']} yet")
         elif kind == "method_run":
             _replay_method_run(client, run_id, gap, op)
         elif kind == "end":
             status = op["status"]
-    client.set_terminated(run_id, status=status)
+    run = client.get_run(run_id)
+    own = run.data.tags.get("paperline.stage_run_id") in (None, gap["stage_run_id"])
+    if own or run.info.status == "RUNNING":  # never overwrite a retry's own final status
+        client.set_terminated(run_id, status=status)
     return run_id
+
+
+def _registered(client: Any, run_id: str, name: str, artifact_path: str) -> bool:
+    """Whether `run_id` already registered `artifact_path` as a version of `name` (several arms
+    register versions of one name from one run, each under its own artifact path)."""
+    try:
+        versions = client.search_model_versions(f"name = '{name}'")
+    except Exception:
+        return False
+    return any(v.run_id == run_id and (v.source or "").rstrip("/").endswith("/" + artifact_path)
+               for v in versions)
 
 
 def _replay_method_run(client: Any, parent_id: str, gap: dict[str, Any], op: dict) -> None:
@@ -574,8 +608,12 @@ def sync_gaps(root: Path, quiet: bool = False) -> dict[str, int]:
             continue
         try:
             run_id = _replay(client, gap)
+        except GapNotReady as exc:
+            log.warning("gap %s kept (`paperline tracking gaps` lists it): %s", path.name, exc)
+            continue
         except Exception as exc:
-            log.warning("MLflow still unreachable, gap %s left for later: %s", path.name, exc)
+            log.warning("MLflow still unreachable, gap %s left for later: %s", path.name,
+                        _redact(str(exc)))
             break
         path.unlink()
         out["replayed"] += 1
@@ -679,7 +717,9 @@ class MethodRun:
         values = {mlflow_key(k): float(v) for k, v in metrics.items()}
         self.record["metrics"].append({"metrics": values, "step": int(step or 0),
                                        "timestamp": now})
-        if self.run_id is None:
+        if self.run_id is None or not self.tracker.ok:  # down: recorded, replayed later
+            if self.run_id is not None and not self._gap:
+                self.record["run_id"], self._gap = self.run_id, True
             return
         try:
             from mlflow.entities import Metric
