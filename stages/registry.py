@@ -72,6 +72,41 @@ STAGES: dict[str, dict[str, str]] = {
         "rl_random": "stages.train.edco_rl",
         "compare": "stages.evaluate.edco_compare",
     },
+    # ProofVerify: candidates labelled by the exact verifier (proof-level and final-answer) ->
+    # a tiny judge + GenSelect selector -> pure Judge, pure GenSelect knockout, their Hybrid
+    # (one module, three params sections) -> compare with majority vote and a random pick.
+    "proofverify": {
+        "candidates": "stages.verify.proofverify_candidates",
+        "train_judge": "stages.verify.proofverify_train",
+        "judge": "stages.verify.proofverify_select",
+        "genselect": "stages.verify.proofverify_select",
+        "hybrid": "stages.verify.proofverify_select",
+        "compare": "stages.evaluate.proofverify_compare",
+    },
+    # RACER: two judges fine-tuned from the base model (direct yes/no vs recompute-then-verdict),
+    # their offline outcomes, MiniLM features, budgeted DRO routers (primal-dual) vs ERM and
+    # baselines under a difficulty shift, and the solver checked against cvxpy.
+    "racer": {
+        "judges": "stages.verify.racer_judges",
+        "judge_outcomes": "stages.verify.racer_outcomes",
+        "features": "stages.verify.racer_features",
+        "train_router": "stages.verify.racer",
+        "solver_check": "stages.verify.racer_solver",
+        "evaluate": "stages.evaluate.racer_compare",
+    },
+    # TRACE: Toulmin-argued arithmetic CoTs -> 8-label sentence tagger -> TRACE of sampled CoTs
+    # from generators of varied argument quality -> correlation with accuracy; GRPO with
+    # accuracy-only vs accuracy + TRACE reward (both arms are stages.verify.trace_rl).
+    "trace": {
+        "corpus": "stages.verify.trace_data",
+        "label": "stages.verify.trace_label",
+        "policy": "stages.verify.trace_policy",
+        "score": "stages.verify.trace_score",
+        "correlate": "stages.verify.trace_correlate",
+        "rl_acc": "stages.verify.trace_rl",
+        "rl_trace": "stages.verify.trace_rl",
+        "compare": "stages.evaluate.trace_compare",
+    },
 }
 
 # How each pipeline's README results table is rendered from its DVC metrics ("module:function"
@@ -82,4 +117,7 @@ REPORTS: dict[str, str] = {
     "hsir": "stages.evaluate.hsir_compare:results_table",
     "bis": "stages.evaluate.bis_compare:results_table",
     "edco": "stages.evaluate.edco_compare:results_table",
+    "trace": "stages.evaluate.trace_compare:results_table",
+    "proofverify": "stages.evaluate.proofverify_compare:results_table",
+    "racer": "stages.evaluate.racer_compare:results_table",
 }

@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol, Sequence
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 @dataclass(frozen=True)
@@ -49,19 +50,28 @@ class Backend(Protocol):
 class BackendConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    kind: Literal["local", "openai"] = "local"
-    model: str
-    base_url: str | None = None
-    api_key_env: str | None = None   # the variable's NAME; the value never enters params
-    batch_size: int = 64
-    timeout_s: float = 120.0
-    max_retries: int = 2
+    kind: Literal["local", "openai"] = Field("local", description="local: a save_pretrained "
+                                             "folder; openai: an OpenAI-compatible server")
+    model: str = Field(..., min_length=1, description="local: folder (or a paths key where the "
+                       "stage resolves one); openai: the served model name")
+    base_url: str | None = Field(None, description="openai: API root, e.g. "
+                                 "http://127.0.0.1:8000/v1")
+    api_key_env: str | None = Field(None, description="NAME of the environment variable holding "
+                                    "the key; the value never enters params")
+    batch_size: int = Field(64, ge=1, le=65536, description="local: sequences generated "
+                            "together; openai: prompts per request")
+    timeout_s: float = Field(120.0, gt=0, description="openai: seconds per request")
+    max_retries: int = Field(2, ge=0, le=20, description="openai: retries on 5xx / connection "
+                             "errors (client errors are not retried)")
 
     @model_validator(mode="after")
     def _check(self) -> "BackendConfig":
         if self.kind == "openai" and not self.base_url:
             raise ValueError("backend.kind = openai needs backend.base_url "
                              "(e.g. http://127.0.0.1:8000/v1)")
+        if self.base_url is not None and not self.base_url.startswith(("http://", "https://")):
+            raise ValueError(f"backend.base_url = {self.base_url!r}: expected an http:// or "
+                             "https:// URL ending in the API root, e.g. http://127.0.0.1:8000/v1")
         if self.api_key_env is not None and not self.api_key_env.replace("_", "").isalnum():
             raise ValueError(f"backend.api_key_env = {self.api_key_env!r}: must be an "
                              "environment variable name, not a key")
@@ -114,7 +124,9 @@ class OpenAICompatibleBackend:
     def _post(self, body: dict[str, Any]) -> dict[str, Any]:
         data = json.dumps(body).encode()
         last: Exception | None = None
-        for _ in range(self.cfg.max_retries + 1):
+        for attempt in range(self.cfg.max_retries + 1):
+            if attempt:
+                time.sleep(min(10.0, 0.5 * 2 ** (attempt - 1)))  # back off before a retry
             req = urllib.request.Request(self.url, data=data, headers=self._headers(),
                                          method="POST")
             try:
@@ -126,7 +138,7 @@ class OpenAICompatibleBackend:
                                        f"{err.read()[:500].decode(errors='replace')}") from None
                 last = err
             except (urllib.error.URLError, TimeoutError, ConnectionError) as err:
-                last = err
+                last = getattr(err, "reason", err)
         raise RuntimeError(f"backend {self.url} unreachable after "
                            f"{self.cfg.max_retries + 1} tries: {last}")
 

@@ -1,0 +1,204 @@
+"""Stage `compare` of ProofVerify: every selection rule side by side, mean ± std over seeds.
+
+Per arm (judge, genselect, hybrid, and the baselines majority vote on final answers and a random
+pick): selection accuracy at proof level (the selected candidate is VALID: every step and the
+answer right) and at final-answer level, verifier calls per problem and the parse-failure rate.
+For the judge's verdicts on all test candidates (one verdict = one call; a malformed reply counts
+as not-Yes): precision / recall / F1 of the Yes class against proof validity, the Yes rate per
+flaw class (valid, flaw b: right answer through a wrong step, flaw a: wrong answer) and the
+final-answer precision on the balanced 3+/3- set (spec §2, reconstructed). For the selector: the
+share of games with one valid side that the valid side won, and the share won by position 1
+(the position bias the paper warns about). The paper's ordering is checked as measured booleans.
+
+Outputs: `report/table.md`, `plots/selection.csv` (accuracy vs calls per arm, `dvc plots`) and
+the flat metrics (`metrics/compare.json`) the README table is rendered from.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Any
+
+import polars as pl
+from pydantic import BaseModel, ConfigDict, Field
+
+from stages.core import io
+from stages.verify import proofverify as pv
+
+ARMS = ("judge", "genselect", "hybrid", "majority", "random")
+
+
+class Config(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    candidates: str = Field("candidates", description="paths key of the candidates folder")
+    judge: str = Field("judge_out", description="paths key of the judge stage output")
+    genselect: str = Field("genselect_out", description="paths key of the genselect output")
+    hybrid: str = Field("hybrid_out", description="paths key of the hybrid output")
+    report: str = Field("report", description="paths key of the report folder")
+    plot: str = Field("plots/selection.csv", description="plot CSV, relative to the pipeline")
+    per_side: int = Field(3, ge=1, le=64, description="balanced set: right / wrong answers kept "
+                          "per problem (spec: 3+/3-)")
+
+
+def baseline_selections(cands: pl.DataFrame, seeds: list[int]) -> pl.DataFrame:
+    """Majority vote on final answers and a random pick, per seed and problem (0 calls)."""
+    rows = []
+    for seed in seeds:
+        for k, ((pid,), g) in enumerate(cands.group_by(["problem_id"], maintain_order=True)):
+            ids = g["candidate_id"].to_list()
+            maj = pv.majority_vote(g["final_answer"].to_list(), random.Random(f"maj:{seed}:{k}"))
+            rnd = random.Random(f"rand:{seed}:{k}").randrange(len(ids))
+            for method, pick in (("majority", maj), ("random", rnd)):
+                rows.append({"method": method, "seed": seed, "problem_id": pid,
+                             "selected_id": ids[pick], "calls": 0, "parse_failures": 0})
+    return pl.DataFrame(rows)
+
+
+def arm_metrics(sel: pl.DataFrame, cands: pl.DataFrame) -> dict[str, float]:
+    """`<arm>/<metric>_mean|_std` over seeds for every method in `sel`."""
+    lab = cands.select(pl.col("candidate_id").alias("selected_id"), "valid", "answer_correct")
+    joined = sel.join(lab, on="selected_id", how="left")
+    if joined["valid"].null_count():
+        raise ValueError("a selection names a candidate that is not in candidates/test.parquet")
+    per = (joined.group_by(["method", "seed"])
+           .agg(pl.col("valid").mean().alias("proof_acc"),
+                pl.col("answer_correct").mean().alias("answer_acc"),
+                pl.col("calls").cast(pl.Float64).mean().alias("calls"),
+                (pl.col("parse_failures").sum() / pl.col("calls").sum().clip(1))
+                .alias("parse_fail_rate")))
+    m: dict[str, float] = {}
+    for method in per["method"].unique().sort().to_list():
+        p = per.filter(pl.col("method") == method)
+        for key in ("proof_acc", "answer_acc", "calls", "parse_fail_rate"):
+            m[f"{method}/{key}_mean"], m[f"{method}/{key}_std"] = pv.mean_std(p[key].to_list())
+    return m
+
+
+def judge_metrics(votes: pl.DataFrame, cands: pl.DataFrame, per_side: int) -> dict[str, float]:
+    """Pointwise judge quality per seed (every verdict one prediction), mean ± std over seeds."""
+    test = cands.select("candidate_id", "valid", "answer_correct", "flaw", "problem_id")
+    idx = pv.balanced_indices(test["problem_id"].to_list(), test["answer_correct"].to_list(),
+                              per_side)
+    balanced = set(test["candidate_id"].gather(idx).to_list()) if idx else set()
+    per_seed: dict[str, list[float]] = {}
+    for (seed,), v in votes.group_by(["seed"], maintain_order=True):
+        j = v.join(test, on="candidate_id", how="left")
+        yes = j["verdict"].fill_null(False).to_list()
+        stats = pv.precision_recall_f1(yes, j["valid"].to_list())
+        for flaw, name in (("none", "yes_rate_valid"), ("b", "yes_rate_flaw_b"),
+                           ("a", "yes_rate_flaw_a")):
+            f = j.filter(pl.col("flaw") == flaw)
+            stats[name] = float(f["verdict"].fill_null(False).mean()) if f.height else math.nan
+        b = j.filter(pl.col("candidate_id").is_in(list(balanced)))
+        stats["fa_precision"] = pv.final_answer_precision(
+            b["verdict"].fill_null(False).to_list(), b["answer_correct"].to_list())
+        stats["parse_fail_rate"] = j["verdict"].null_count() / j.height
+        for k, val in stats.items():
+            per_seed.setdefault(k, []).append(val)
+    m: dict[str, float] = {"judge_eval/balanced_problems": len(idx) / (2 * per_side)}
+    for k, vals in per_seed.items():
+        m[f"judge_eval/{k}_mean"], m[f"judge_eval/{k}_std"] = pv.mean_std(vals)
+    return m
+
+
+def selector_metrics(games: pl.DataFrame, cands: pl.DataFrame, arm: str) -> dict[str, float]:
+    """Pairwise accuracy on games with exactly one valid side; share won by position 1."""
+    valid = dict(zip(cands["candidate_id"], cands["valid"]))
+    decided = games.filter(pl.col("choice").is_not_null())
+    mixed = [(w, f, s) for w, f, s in zip(games["winner_id"], games["first_id"],
+                                          games["second_id"]) if valid[f] != valid[s]]
+    return {f"{arm}/pairwise_acc": (sum(valid[w] for w, _, _ in mixed) / len(mixed)
+                                    if mixed else math.nan),
+            f"{arm}/mixed_games": float(len(mixed)),
+            f"{arm}/first_wins": (float((decided["choice"] == 0).mean())
+                                  if decided.height else math.nan)}
+
+
+def run(cfg: Config, ctx: Any) -> dict[str, float]:
+    from stages.core.checks import read_parquet_checked
+    from stages.verify.proofverify_candidates import expectations
+
+    cands = read_parquet_checked(ctx.path(cfg.candidates) / "test.parquet", expectations("test"))
+    sels = [pl.read_parquet(ctx.path(getattr(cfg, a)) / "selections.parquet")
+            for a in ("judge", "genselect", "hybrid")]
+    seeds = sorted(set(sels[0]["seed"].to_list()))
+    used = set(sels[0]["problem_id"].to_list())
+    cands = cands.filter(pl.col("problem_id").is_in(list(used)))
+    base = baseline_selections(cands, seeds)
+    cols = ["method", "seed", "problem_id", "selected_id", "calls", "parse_failures"]
+    sel = pl.concat([s.select(cols) for s in sels]
+                    + [base.select(cols).cast({"calls": pl.Int64, "parse_failures": pl.Int64})])
+    m = arm_metrics(sel, cands)
+    votes = pl.read_parquet(ctx.path(cfg.judge) / "votes.parquet")
+    m |= judge_metrics(votes, cands, cfg.per_side)
+    for arm in ("genselect", "hybrid"):
+        m |= selector_metrics(pl.read_parquet(ctx.path(getattr(cfg, arm)) / "games.parquet"),
+                              cands, arm)
+    per = cands.group_by("problem_id").agg(pl.col("valid").any(), pl.col("answer_correct").any(),
+                                           pl.col("valid").mean().alias("p1"))
+    m |= {"oracle/proof_acc": float(per["valid"].mean()),
+          "oracle/answer_acc": float(per["answer_correct"].mean()),
+          "pass_at_1/proof_acc": float(per["p1"].mean()),
+          "flaw_b_share": float((cands["flaw"] == "b").mean()),
+          "n_problems": float(per.height), "n_p": float(cands.height / per.height),
+          "seeds": float(len(seeds))}
+    h, j, g = (m[f"{a}/proof_acc_mean"] for a in ("hybrid", "judge", "genselect"))
+    m["claim_hybrid_ge_judge"] = float(h >= j)
+    m["claim_hybrid_ge_genselect"] = float(h >= g)
+    m["claim_hybrid_cheaper_than_judge"] = float(m["hybrid/calls_mean"] < m["judge/calls_mean"])
+    with io.atomic_path(ctx.path(cfg.report), is_dir=True) as tmp:
+        io.write_text(tmp / "table.md", results_table({"compare": m}))
+    plot = ctx.pipeline_dir / cfg.plot
+    plot.parent.mkdir(parents=True, exist_ok=True)
+    with io.atomic_path(plot) as tmp:
+        pl.DataFrame([{"arm": a, "calls_per_problem": m[f"{a}/calls_mean"],
+                       "proof_acc": m[f"{a}/proof_acc_mean"],
+                       "answer_acc": m[f"{a}/answer_acc_mean"]} for a in ARMS]).write_csv(tmp)
+    return m
+
+
+def results_table(metrics: dict[str, dict[str, Any]]) -> str:
+    """README tables from the compare metrics: arms as rows, nothing typed by hand."""
+    m = metrics.get("compare", {})
+    if "judge/proof_acc_mean" not in m:
+        return "_No results yet: run the pipeline._\n"
+
+    def pm(key: str, fmt: str = ".3f") -> str:
+        mean, std = m.get(f"{key}_mean", math.nan), m.get(f"{key}_std", math.nan)
+        return "–" if math.isnan(mean) else f"{mean:{fmt}} ± {std:{fmt}}"
+
+    def one(key: str, fmt: str = ".3f") -> str:
+        v = m.get(key, math.nan)
+        return "–" if isinstance(v, float) and math.isnan(v) else f"{v:{fmt}}"
+
+    names = {"judge": "pure Judge", "genselect": "pure GenSelect", "hybrid": "Hybrid",
+             "majority": "majority vote (final answers)", "random": "random pick"}
+    lines = [f"{m['n_problems']:.0f} held-out problems, n_p = {m['n_p']:.0f} candidates each, "
+             f"{m['seeds']:.0f} seeds (mean ± std); {m['flaw_b_share']:.1%} of the candidates "
+             "reach the right answer through a wrong step (flaw b).", "",
+             "| selection | proof-level acc | final-answer acc | verifier calls / problem | "
+             "parse failures | pairwise acc (valid vs invalid) |",
+             "|---|---|---|---|---|---|"]
+    for a in ARMS:
+        lines.append(f"| {names[a]} | {pm(f'{a}/proof_acc')} | {pm(f'{a}/answer_acc')} "
+                     f"| {pm(f'{a}/calls', '.1f')} | {pm(f'{a}/parse_fail_rate', '.3f')} "
+                     f"| {one(f'{a}/pairwise_acc')} |")
+    lines += [f"| pass@1 (expected) | {one('pass_at_1/proof_acc')} | – | – | – | – |",
+              f"| oracle (pass@n_p) | {one('oracle/proof_acc')} | {one('oracle/answer_acc')} "
+              "| – | – | – |", "",
+              "Judge verdicts on every test candidate (one verdict per call; malformed = not Yes):",
+              "", "| precision | recall | F1 | Yes on valid | Yes on flaw b | Yes on flaw a | "
+              "final-answer precision (3+/3-) | parse failures |",
+              "|---|---|---|---|---|---|---|---|",
+              "| " + " | ".join(pm(f"judge_eval/{k}") for k in (
+                  "precision", "recall", "f1", "yes_rate_valid", "yes_rate_flaw_b",
+                  "yes_rate_flaw_a", "fa_precision", "parse_fail_rate")) + " |", "",
+              f"Selector position bias: position 1 wins {one('genselect/first_wins', '.1%')} of "
+              f"parsed games (GenSelect), {one('hybrid/first_wins', '.1%')} (Hybrid).", "",
+              "Claims (measured): Hybrid ≥ pure Judge at proof level: "
+              f"{'yes' if m['claim_hybrid_ge_judge'] else 'no'}; Hybrid ≥ pure GenSelect: "
+              f"{'yes' if m['claim_hybrid_ge_genselect'] else 'no'}; Hybrid spends fewer calls "
+              f"than pure Judge: {'yes' if m['claim_hybrid_cheaper_than_judge'] else 'no'}."]
+    return "\n".join(lines) + "\n"

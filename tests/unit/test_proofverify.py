@@ -1,0 +1,358 @@
+"""ProofVerify's pure parts on hand-made inputs: output contracts, judge scores, the knockout
+tournament (bracket sizes, byes, reshuffles, parse failures), baselines, metrics, candidates."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import polars as pl
+import pytest
+from pydantic import ValidationError
+
+from stages.evaluate import proofverify_compare as cmp
+from stages.verify import proofverify as pv
+from stages.verify import proofverify_candidates as cand
+from stages.verify import proofverify_select as sel
+from stages.verify import proofverify_train as train
+
+# --- output contracts -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, want", [
+    (" Yes", True), ("No", False), (" No\n", False),
+    ("<summary>step 2 is wrong</summary>\n<judgement>Judgement: No</judgement>", False),
+    ("quoting <judgement>Judgement: No</judgement> ... <judgement>Judgement: Yes</judgement>",
+     True),                                              # the last tagged verdict wins
+    (" Yess", None), ("yes", None), (" Yes No", None), ("", None), ("Judgement: Yes", None),
+    (" 1+2=3 =; #### 3 = Verdict: Yes", True), (" 1+2=3 !; #### 4 ! Verdict: No", False),
+    (" 1+2=3 =; #### 3 = Verdict: Yes!", None), (" 1+2=3 =; #### 3 = Verdict:", None),
+])
+def test_parse_judgement(text, want):
+    assert pv.parse_judgement(text) is want
+
+
+@pytest.mark.parametrize("text, want", [
+    (" 1", 0), ("2", 1), ("<best_solution>2</best_solution>", 1),
+    ("<best_solution>3</best_solution>", None), (" 0", None), (" 12", None), ("one", None),
+    ("", None), (" 1 2", None), (" [1] 1+2=3 = [2] 1+2=4 ! Best: 1", 0),
+    (" [1] 1+2=3 = [2] 1+2=4 ! Best: 3", None), (" [1] 1+2=3 = [2] 1+2=4 !", None),
+])
+def test_parse_choice(text, want):
+    assert pv.parse_choice(text, 2) == want
+
+
+def test_prompts_end_where_the_tiny_models_answer():
+    assert pv.judge_prompt("Q: 1+2=? A:", " 1+2=3 #### 3") == "Q: 1+2=? A: 1+2=3 #### 3 Verdict:"
+    assert pv.genselect_prompt("Q: 1+2=? A:", " a", " b") == "Q: 1+2=? A: [1] a [2] b Best:"
+    opc = pv.genselect_prompt("P", "first", "second", "opc")
+    assert opc.endswith("[Proof 1]\nfirst\n\n[Proof 2]\nsecond") and "<best_solution>" in opc
+    assert "<judgement>Judgement: Yes</judgement>" in pv.judge_prompt("P", "S", "opc")
+
+
+@pytest.mark.parametrize("solution, trace", [
+    (" 20+5=25; 25-3=22 #### 22", "20+5=25 =; 25-3=22 =; #### 22 ="),        # valid
+    (" 20+5=26; 26-3=22 #### 22", "20+5=25 !; 26-3=23 !; #### 22 !"),        # flaw b
+    (" 20+5=25; 25-3=21 #### 21", "20+5=25 =; 25-3=22 !; #### 21 !"),        # flaw a
+    (" 20+5=25; 24-3=21 #### 21", "20+5=25 =; 24-3=21 !; #### 21 !"),        # broken chain
+    (" 20-5=15; 15-3=12 #### 12", "20-5=15 !; 15-3=12 =; #### 12 !"),        # wrong operator
+    (" 20+5=25 #### 25", "20+5=25 =; #### 25 !"),                            # a missing step
+    (" 20+5=25; 25-3=22 #### 23", "20+5=25 =; 25-3=22 =; #### 23 !"),        # answer != result
+    ("abc", "?; #### ? !"),
+])
+def test_check_trace_marks_every_step_and_the_answer(solution, trace):
+    assert pv.check_trace("20+5-3", solution) == trace
+    row = {"question": "20+5-3", "answer": 22, "n_operands": 3}
+    assert (" !" not in trace and "?" not in trace) == cand.label(row, solution)["valid"]
+
+
+# --- judge scores and selection ---------------------------------------------------------------
+
+def test_judge_score_is_yes_share_of_parseable_and_minus_one_when_none_parse():
+    assert pv.judge_score([True, None, False, True]) == pytest.approx(2 / 3)
+    assert pv.judge_score([True, True]) == 1.0
+    assert pv.judge_score([None, None]) == -1.0
+    assert pv.judge_score([]) == -1.0
+    assert pv.judge_score([False, None]) == 0.0          # one parseable No beats no parse at all
+
+
+def test_argmax_takes_the_first_maximum_and_selection_shuffles_ties():
+    assert pv.argmax_first([0.5, 0.75, 0.75, -1.0]) == 1
+    with pytest.raises(ValueError):
+        pv.argmax_first([])
+    scores = [0.5, 0.75, 0.75, -1.0]
+    picks = {pv.select_by_score(range(4), scores, random.Random(s)) for s in range(40)}
+    assert picks == {1, 2}                                # only maxima, both tied ones
+    assert pv.select_by_score([0, 3], scores, random.Random(0)) == 0   # restricted to a subset
+
+
+def test_scores_from_votes_use_the_first_n_j_votes():
+    votes = pl.DataFrame({"candidate_id": ["a"] * 4 + ["b"] * 4, "vote": [0, 1, 2, 3] * 2,
+                          "verdict": [True, None, False, False, None, None, True, True]},
+                         schema={"candidate_id": pl.String, "vote": pl.Int64,
+                                 "verdict": pl.Boolean})
+    assert sel.scores_from_votes(votes, 2) == {"a": 1.0, "b": -1.0}
+    assert sel.scores_from_votes(votes, 4) == {"a": pytest.approx(1 / 3), "b": 1.0}
+
+
+# --- knockout ---------------------------------------------------------------------------------
+
+def better_wins(pairs_or_games, key=lambda g: g):
+    """The lower candidate index is the better one (a transitive 'oracle' selector)."""
+    return [0 if a < b else 1 for a, b in (key(g) for g in pairs_or_games)]
+
+
+def drive(ko: pv.Knockout, play=better_wins) -> list[list[tuple[int, int]]]:
+    rounds = []
+    while not ko.done:
+        pairs = ko.next_pairs()
+        rounds.append(pairs)
+        ko.record(play(pairs))
+    return rounds
+
+
+@pytest.mark.parametrize("n, w, games, rounds, byes", [
+    (8, 1, 7, 3, 0),       # 4 + 2 + 1 games
+    (5, 1, 4, 3, 2),       # 2 games + bye, 1 game + bye, 1 game
+    (6, 4, 2, 1, 2),       # the last round plays only the 2 games still needed
+    (16, 4, 12, 2, 0),     # hybrid at n_p = 16, n_s = 4: 8 + 4
+    (256, 16, 240, 4, 0),  # the paper's hybrid: 240 games [spec table]
+    (256, 1, 255, 8, 0),   # the paper's pure GenSelect: 255 games
+    (3, 3, 0, 0, 0),       # nothing to knock out
+])
+def test_bracket_sizes_and_byes(n, w, games, rounds, byes):
+    ko = pv.Knockout(n, w, random.Random(0))
+    played = drive(ko)
+    assert ko.calls == games == pv.knockout_cost(n, w) == sum(len(r) for r in played)
+    assert ko.rounds == rounds and ko.byes == byes
+    assert len(ko.winners) == min(w, n)
+    assert 0 in ko.winners                                # the best survives a perfect selector
+    # (the w best need not all survive: two of them may meet in a round)
+    assert ko.parse_failures == 0
+
+
+def test_every_round_is_reshuffled():
+    seen = set()
+    for seed in range(20):
+        ko = pv.Knockout(8, 1, random.Random(seed))
+        played = drive(ko)
+        assert ko.winners == [0]                          # a perfect selector always wins
+        assert all(a not in ko.knocked[:i] for i, (a, _) in enumerate(played[1]))
+        seen.add(tuple(sorted(tuple(sorted(p)) for p in played[1])))
+    assert len(seen) > 1                                  # round 2 pairings differ by seed
+
+
+def test_invalid_candidates_are_knocked_out_before_the_first_game():
+    ko = pv.Knockout(5, 1, random.Random(0), invalid=[0, 3])
+    played = drive(ko)
+    assert ko.calls == 2 == pv.knockout_cost(5, 1, invalid=2)
+    assert {c for r in played for p in r for c in p} == {1, 2, 4}
+    assert ko.winners == [1]
+    # more invalid candidates than N - w: the last ones are revived, no game is played
+    ko = pv.Knockout(3, 1, random.Random(0), invalid=[0, 1, 2])
+    assert ko.done and ko.next_pairs() == [] and ko.winners == [2]
+    with pytest.raises(ValueError, match="outside"):
+        pv.Knockout(3, 1, random.Random(0), invalid=[5])
+
+
+def test_parse_failures_pick_a_random_winner_and_are_counted():
+    winners = []
+    for seed in range(60):
+        ko = pv.Knockout(4, 1, random.Random(seed))
+        drive(ko, play=lambda pairs: [None] * len(pairs))
+        assert ko.calls == 3 and ko.parse_failures == 3
+        assert len(ko.winners) == 1
+        winners.append(ko.winners[0])
+    assert set(winners) == {0, 1, 2, 3}                   # a coin flip per game, not position 1
+    again = pv.Knockout(4, 1, random.Random(7))
+    drive(again, play=lambda pairs: [None] * len(pairs))
+    first = pv.Knockout(4, 1, random.Random(7))
+    drive(first, play=lambda pairs: [None] * len(pairs))
+    assert again.history == first.history                 # reproducible per seed
+
+
+def test_knockout_misuse_is_an_error():
+    ko = pv.Knockout(4, 1, random.Random(0))
+    with pytest.raises(RuntimeError, match="next_pairs"):
+        ko.record([0])
+    pairs = ko.next_pairs()
+    with pytest.raises(RuntimeError, match="record"):
+        ko.next_pairs()
+    with pytest.raises(ValueError, match="results for"):
+        ko.record([0] * (len(pairs) + 1))
+    with pytest.raises(ValueError, match="expected 0, 1 or None"):
+        ko.record([2] * len(pairs))
+    with pytest.raises(ValueError):
+        pv.Knockout(0, 1, random.Random(0))
+
+
+def test_play_knockouts_batches_every_tournament_per_round():
+    tours = [pv.Knockout(n, w, random.Random(n)) for n, w in ((8, 1), (5, 1), (16, 4), (2, 2))]
+    batches = []
+
+    def play(games):
+        batches.append(len(games))
+        return better_wins(games, key=lambda g: (g[1], g[2]))
+
+    rounds = pv.play_knockouts(tours, play)
+    assert rounds == 3 and sum(batches) == 7 + 4 + 12 + 0
+    assert batches[0] == 4 + 2 + 8                        # round 1 of the first three at once
+    assert [t.winners[0] for t in tours] == [0, 0, 0, 0]
+    assert [len(t.winners) for t in tours] == [1, 1, 4, 2]
+
+
+# --- baselines and metrics (hand-computed) ------------------------------------------------------
+
+def test_majority_vote_picks_a_holder_of_the_most_common_answer():
+    answers = [5, 7, 5, None, 7, 5]
+    picks = {pv.majority_vote(answers, random.Random(s)) for s in range(30)}
+    assert picks == {0, 2, 5}
+    assert pv.majority_vote([None, None], random.Random(0)) in (0, 1)
+    assert pv.majority_vote([None, 3, None], random.Random(0)) == 1
+    tie = {answers_pick for answers_pick in (pv.majority_vote([1, 2], random.Random(s))
+                                             for s in range(30))}
+    assert tie == {0, 1}
+
+
+def test_precision_recall_f1_hand_values():
+    m = pv.precision_recall_f1([True, True, False, False, True], [True, False, True, False, True])
+    # tp = 2, fp = 1, fn = 1, tn = 1
+    assert m["precision"] == pytest.approx(2 / 3) and m["recall"] == pytest.approx(2 / 3)
+    assert m["f1"] == pytest.approx(2 / 3) and m["accuracy"] == pytest.approx(3 / 5)
+    none = pv.precision_recall_f1([False, False], [True, False])
+    assert math.isnan(none["precision"]) and none["recall"] == 0.0 and none["f1"] == 0.0
+
+
+def test_final_answer_precision_and_balanced_set():
+    assert pv.final_answer_precision([True, True, False, True], [True, False, True, True]) == \
+        pytest.approx(2 / 3)
+    assert math.isnan(pv.final_answer_precision([False], [True]))
+    pids = ["p"] * 7 + ["q"] * 4
+    right = [True, False, True, False, True, False, True] + [True, True, False, False]
+    # p: right at 0,2,4,6 and wrong at 1,3,5 -> first three of each; q has only 2 + 2
+    assert pv.balanced_indices(pids, right, 3) == [0, 1, 2, 3, 4, 5]
+    assert pv.balanced_indices(pids, right, 2) == [0, 1, 2, 3, 7, 8, 9, 10]
+
+
+def test_mean_std_over_seeds():
+    assert pv.mean_std([0.5, 0.7]) == (pytest.approx(0.6), pytest.approx(0.1))
+    assert pv.mean_std([0.5, math.nan]) == (0.5, 0.0)
+    assert all(math.isnan(x) for x in pv.mean_std([]))
+
+
+def _cands() -> pl.DataFrame:
+    return pl.DataFrame({
+        "candidate_id": ["p-0", "p-1", "p-2", "q-0", "q-1", "q-2"],
+        "problem_id": ["p", "p", "p", "q", "q", "q"],
+        "valid": [True, False, False, False, False, True],
+        "answer_correct": [True, True, False, True, False, True],
+        "flaw": ["none", "b", "a", "b", "a", "none"],
+        "final_answer": [3, 3, 4, 9, 8, 9]})
+
+
+def test_arm_metrics_aggregate_over_seeds_by_hand():
+    s = pl.DataFrame({"method": ["judge"] * 4, "seed": [0, 0, 1, 1],
+                      "problem_id": ["p", "q", "p", "q"],
+                      "selected_id": ["p-0", "q-0", "p-1", "q-2"],
+                      "calls": [6, 6, 6, 6], "parse_failures": [0, 3, 0, 0]})
+    m = cmp.arm_metrics(s, _cands())
+    # seed 0: valid [1, 0] -> 0.5, answers [1, 1] -> 1.0; seed 1: valid [0, 1] -> 0.5, [1, 1]
+    assert m["judge/proof_acc_mean"] == 0.5 and m["judge/proof_acc_std"] == 0.0
+    assert m["judge/answer_acc_mean"] == 1.0
+    # parse failures: 3 of 12 calls in seed 0, 0 in seed 1 -> mean 0.125, std 0.125
+    assert m["judge/parse_fail_rate_mean"] == pytest.approx(0.125)
+    assert m["judge/parse_fail_rate_std"] == pytest.approx(0.125)
+    bad = s.with_columns(pl.lit("nope").alias("selected_id"))
+    with pytest.raises(ValueError, match="not in candidates"):
+        cmp.arm_metrics(bad, _cands())
+
+
+def test_judge_metrics_by_hand():
+    votes = pl.DataFrame({"seed": [0] * 6, "candidate_id": _cands()["candidate_id"],
+                          "verdict": [True, True, None, False, False, True]},
+                         schema={"seed": pl.Int64, "candidate_id": pl.String,
+                                 "verdict": pl.Boolean})
+    m = cmp.judge_metrics(votes, _cands(), per_side=1)
+    # yes = [1,1,0,0,0,1] vs valid [1,0,0,0,0,1]: tp 2, fp 1, fn 0
+    assert m["judge_eval/precision_mean"] == pytest.approx(2 / 3)
+    assert m["judge_eval/recall_mean"] == 1.0 and m["judge_eval/f1_mean"] == pytest.approx(0.8)
+    assert m["judge_eval/yes_rate_flaw_b_mean"] == 0.5      # p-1 yes, q-0 no
+    assert m["judge_eval/yes_rate_flaw_a_mean"] == 0.0      # the None counts as not-Yes
+    assert m["judge_eval/parse_fail_rate_mean"] == pytest.approx(1 / 6)
+    # balanced 1+/1-: p -> p-0 (right), p-2 (wrong); q -> q-0, q-1. Yes on p-0 only -> 1/1
+    assert m["judge_eval/fa_precision_mean"] == 1.0
+
+
+def test_baselines_choose_by_final_answer_and_spend_no_calls():
+    b = cmp.baseline_selections(_cands(), [0, 1])
+    maj = b.filter(pl.col("method") == "majority")
+    assert set(maj.filter(pl.col("problem_id") == "p")["selected_id"]) <= {"p-0", "p-1"}
+    assert set(maj.filter(pl.col("problem_id") == "q")["selected_id"]) <= {"q-0", "q-2"}
+    assert (b["calls"] == 0).all() and b.height == 2 * 2 * 2
+
+
+# --- candidates -------------------------------------------------------------------------------
+
+ROW = {"question": "20+5-3", "answer": 22, "n_operands": 3, "id": "x",
+       "prompt": "Q: 20+5-3=? A:", "target": " 20+5=25; 25-3=22 #### 22"}
+
+
+def test_labels_separate_proof_validity_from_the_final_answer():
+    assert cand.label(ROW, ROW["target"])["flaw"] == "none"
+    wrong = cand.label(ROW, " 20+5=25; 25-3=21 #### 21")
+    assert wrong["flaw"] == "a" and wrong["final_answer"] == 21
+    lucky = cand.label(ROW, " 20+5=26; 26-3=22 #### 22")
+    assert lucky["flaw"] == "b" and lucky["answer_correct"] and not lucky["valid"]
+    short = cand.label(ROW, " 20+5=25 #### 22")          # a missing step is not a valid proof
+    assert short["flaw"] == "b"
+    assert cand.label(ROW, "garbage")["final_answer"] is None
+
+
+def test_corruption_always_yields_flaw_b():
+    rng = random.Random(0)
+    for _ in range(50):
+        text = cand.corrupt(ROW, rng)
+        lab = cand.label(ROW, text)
+        assert lab["flaw"] == "b" and text.endswith("#### 22"), text
+    rows, natural = cand.build_rows([ROW], [[ROW["target"]] * 20], 0.5, random.Random(1))
+    assert natural == 0
+    corrupted = [r for r in rows if r["source"] == "corrupted"]
+    assert 0 < len(corrupted) < 20 and all(r["flaw"] == "b" for r in corrupted)
+    assert all(r["flaw"] == "none" for r in rows if r["source"] == "policy")
+
+
+def test_bad_configs_fail_before_compute():
+    with pytest.raises(ValidationError, match="winner_count"):
+        sel.Config(method="genselect", backend={"model": "m"}, winner_count=2, out="o")
+    with pytest.raises(ValidationError, match="needs `votes`"):
+        sel.Config(method="hybrid", backend={"model": "m"}, out="o")
+    with pytest.raises(ValidationError, match="repeat"):
+        sel.Config(method="judge", backend={"model": "m"}, seeds=[0, 0], out="o")
+    with pytest.raises(ValidationError, match="only 'arith'"):
+        cand.Config(family="other")
+    with pytest.raises(ValidationError, match="extra"):
+        sel.Config(method="judge", backend={"model": "m"}, out="o", n_votes=3)
+
+
+def test_verifier_training_targets():
+    df = pl.DataFrame({"problem_id": ["p"] * 3, "question": ["20+5-3"] * 3,
+                       "prompt": [ROW["prompt"]] * 3,
+                       "completion": [ROW["target"], " 20+5=26; 26-3=22 #### 22",
+                                      " 20+5=25 #### 25"],
+                       "valid": [True, False, False]})
+    prompts, targets = train.judge_rows(df, "check", True, random.Random(0))
+    assert len(prompts) == 2 and sorted(t.split("Verdict: ")[1] for t in targets) == ["No", "Yes"]
+    assert all(p.endswith(" Check:") for p in prompts)
+    assert " 20+5=25 =; 25-3=22 =; #### 22 = Verdict: Yes" in targets
+    assert train.judge_rows(df, "compact", False, random.Random(0))[1] == [" Yes", " No", " No"]
+    firsts = []
+    for seed in range(20):
+        prompts, targets = train.selector_rows(df, "check", 2, random.Random(seed))
+        assert len(prompts) == 2                         # the 2 (valid, invalid) pairs
+        for p, t in zip(prompts, targets):
+            best = int(t[-1])
+            shown = p.split(" [2]")[0] if best == 1 else p.split(" [2]")[1]
+            assert ROW["target"].strip() in shown        # the valid one is the answer
+            assert pv.parse_choice(t) == best - 1
+            firsts.append(best == 1)
+    assert 0.3 < sum(firsts) / len(firsts) < 0.7         # no position bias in the data
