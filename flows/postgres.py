@@ -109,7 +109,8 @@ def init(data: Path, pgpass: Path) -> bool:
     _check_reachable(data, ids)
     password = secrets.token_urlsafe(24)
     pgpass.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(pgpass, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    pgpass.unlink(missing_ok=True)  # a leftover (or a planted link) is never reused
+    fd = os.open(pgpass, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as fh:
         fh.write(f"*:*:*:{USER}:{password}\n")
     os.chmod(pgpass, 0o600)

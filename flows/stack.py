@@ -251,6 +251,10 @@ def up(root: Path, prefect_port: int | None = None, mlflow_port: int | None = No
             p[k] = int(v)
     bind = bind or (state.get("bind") if alive else None) or os.environ.get("PAPERLINE_BIND") \
         or HOST
+    if bind not in (HOST, "localhost", "::1"):  # say it: these servers have no authentication
+        print(f"warning: Prefect and MLflow will listen on {bind} (not loopback): anyone who "
+              "reaches it can use both APIs, and MLflow's artifact proxy with the server's S3 "
+              "credentials; put them behind an authenticating proxy", file=sys.stderr)
     for k in ("prefect", "mlflow", "postgres"):
         if k in components and not running.get(k) and not _port_free(p[k]):
             env_name = f"PAPERLINE_{k.upper()}_PORT"
@@ -351,14 +355,16 @@ def _stop(root: Path, name: str, timeout: float) -> str:
     import psutil
 
     pid = _read_pid(root, name)
-    if pid is None:
-        return "not running"
-    if name == "postgres":  # fast shutdown (SIGINT), by the postmaster's PID
-        from flows import postgres
+    if name == "postgres":  # fast shutdown (SIGINT), by the postmaster's PID (from its own
+        from flows import postgres  # postmaster.pid: set even if `up` failed before our pidfile)
 
+        if pid is None and postgres.postmaster_pid(stack_dir(root) / "postgres") is None:
+            return "not running"
         result = postgres.stop(stack_dir(root) / "postgres", timeout)
         _pidfile(root, name).unlink(missing_ok=True)
         return result
+    if pid is None:
+        return "not running"
     try:
         procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
     except psutil.NoSuchProcess:
