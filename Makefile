@@ -32,11 +32,13 @@ install: $(BIN)/.installed
 run: install
 	$(BIN)/paperline repro $(if $(PIPELINE),$(PIPELINE),--all)
 
-# Two pytest workers on two cores: the pipeline tests (one shared smoke repo) in one, the rest
-# (unit, Prefect, servers) in the other. TEST_WORKERS=0 runs everything in one process.
+# Unit and pipeline tests on two pytest workers (two groups of pipeline tests, each with its own
+# smoke repo; TEST_WORKERS=0: one process); then the server tests (Prefect, MLflow, S3, Postgres,
+# workers) in one process, in file order: they share module state and servers.
 TEST_WORKERS ?= 2
 test: install
-	$(BIN)/python -m pytest -ra $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -ra $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup) tests/unit tests/pipelines $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -ra tests/prefect tests/stack $(PYTEST_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)
