@@ -119,3 +119,24 @@ def test_budget_baselines():
     t = threshold_at_budget(score_, c, 3.0)    # first item adds 2 -> 3.0 fits, second does not
     assert (score_ > t).tolist() == [True, False]
     assert threshold_at_budget(score_, c, 1.0) == float("inf")
+
+
+def test_summarize_violations_at_the_budget_boundary_and_the_claims():
+    """Hand-made evaluation rows: cost exactly C is within budget, C + 1e-6 is over."""
+    import polars as pl
+
+    from stages.evaluate.racer_compare import summarize
+
+    rows = []
+    for seed, (erm_cost, racer_cost) in enumerate([(1.5, 1.5), (1.5 + 1e-6, 1.4)]):
+        rows += [{"method": "erm", "budget": 1.5, "split": "test_hard", "seed": seed,
+                  "acc": 0.70, "cost": erm_cost},
+                 {"method": "racer", "budget": 1.5, "split": "test_hard", "seed": seed,
+                  "acc": 0.60 + 0.02 * seed, "cost": racer_cost}]
+    m = summarize(pl.DataFrame(rows))
+    assert m["erm/C1.5/test_hard/violation_rate"] == 0.5       # one seed of two over C
+    assert m["racer/C1.5/test_hard/violation_rate"] == 0.0     # exactly C is within budget
+    assert m["racer/C1.5/test_hard/acc_mean"] == pytest.approx(0.61)
+    assert m["claim_erm_overspends_under_shift"] == 1.0
+    assert m["claim_racer_within_budget_under_shift"] == 1.0
+    assert m["claim_racer_acc_ge_erm_under_shift"] == 0.0      # 0.61 < 0.70
