@@ -98,6 +98,44 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group(group))
 
 
+def drain_prefect(timeout: float = 20.0) -> int:
+    """Send what this process's Prefect log and event workers still hold; return what is left.
+
+    Call it while the server the flows talked to is still up. Prefect drains these services at
+    interpreter exit with no timeout, so items left for a server that is gone keep pytest from
+    ever exiting (a CI run hit its 90-minute limit this way, after all tests had passed).
+    """
+    if "prefect" not in sys.modules:
+        return 0
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    left = 0
+    for service in (APILogWorker, EventsWorker):
+        _, pending = service.drain_all(timeout=timeout, at_exit=False)
+        left += len(pending)
+    return left
+
+
+_EXIT_STATUS: list[int] = []
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    _EXIT_STATUS.append(int(exitstatus))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The report is out; do not let a Prefect service waiting on a dead server hang the exit."""
+    left = drain_prefect(timeout=10.0)
+    if left:
+        sys.stderr.write(f"conftest: {left} Prefect service(s) still sending to a server that is "
+                         "gone; exiting without waiting for them\n")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_EXIT_STATUS[-1] if _EXIT_STATUS else 1)
+
+
 @pytest.fixture(scope="session")
 def smoke_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The project copied once per session and reproduced at `smoke` (shared, read-mostly).

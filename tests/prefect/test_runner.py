@@ -22,6 +22,7 @@ import yaml
 
 from flows import stack
 from flows.runner import load_plan, run_pipeline
+from tests.conftest import drain_prefect
 from stages.core.config import UnknownNameError
 
 pytestmark = pytest.mark.timeout(300)
@@ -137,9 +138,7 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory):
             yield stack.prefect_api_url(home)
     finally:
         try:
-            from prefect.logging.handlers import APILogHandler
-
-            APILogHandler().flush()  # send buffered logs while the server is still there
+            drain_prefect()  # send queued logs and events while the server is still there
         finally:
             stack.down(home, quiet=True)
 

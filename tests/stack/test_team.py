@@ -30,7 +30,7 @@ from pydantic import BaseModel
 
 from flows import postgres, stack
 from stages.core import storage, tracking
-from tests.conftest import STATE
+from tests.conftest import STATE, drain_prefect
 from tests.stack.test_s3_storage import (  # noqa: F401  (s3: a fixture, used by name)
     ACCESS_KEY,
     BUCKET,
@@ -90,6 +90,7 @@ def team(work: Path, s3: S3Server):
         finally:
             procs = [p for c in stack.TEAM_COMPONENTS
                      for p in _family(stack.status(root)[c]["pid"])]
+            drain_prefect()
             result = stack.down(root, timeout=20, quiet=True)
             _, alive = psutil.wait_procs(procs, timeout=10)
             if saved_uri is not None:

@@ -26,6 +26,7 @@ import pytest
 import yaml
 
 from flows import distributed, stack
+from tests.conftest import drain_prefect
 from tests.stack.test_s3_storage import (  # noqa: F401  (fixtures: s3, work)
     ACCESS_KEY,
     BUCKET,
@@ -138,9 +139,7 @@ def prefect_api(work: Path):
             yield stack.prefect_api_url(home), home
     finally:
         try:
-            from prefect.logging.handlers import APILogHandler
-
-            APILogHandler().flush()
+            drain_prefect()  # send queued logs and events while the server is still there
         finally:
             stack.down(home, quiet=True)
 
