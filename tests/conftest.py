@@ -19,6 +19,10 @@ os.environ.setdefault("PREFECT_HOME", str(STATE / "prefect"))
 os.environ.setdefault("HF_HOME", str(STATE / "hf"))
 os.environ.setdefault("DVC_SITE_CACHE_DIR", str(STATE / "dvc-site"))
 os.environ.setdefault("MPLCONFIGDIR", str(STATE / "mpl"))
+os.environ.setdefault("SB3_LOGDIR", str(STATE / "sb3"))  # SB3 models built in tests
+# Passed data checks shared by every repo copy of this worker (keyed by content and rules)
+os.environ.setdefault("PAPERLINE_CHECK_CACHE", str(STATE / "check-cache"))
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(STATE / "torchinductor"))
 os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -77,25 +81,6 @@ def dvc(repo: Path, *args: str, check: bool = True, timeout: int = 900) -> subpr
         raise AssertionError(f"dvc {' '.join(args)} failed ({proc.returncode}):\n"
                              f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return proc
-
-
-# Under `-n 2 --dist loadgroup` the pipeline tests form two groups of about equal time, each
-# run whole by one worker (so each worker builds the session's `smoke_repo` once); the unit,
-# Prefect and server tests fill in around them.
-PIPELINE_GROUPS = {
-    "test_base_pipeline.py": "pipelines-a", "test_hsir_pipeline.py": "pipelines-a",
-    "test_r2vpo_pipeline.py": "pipelines-a", "test_bis_pipeline.py": "pipelines-a",
-    "test_edco_pipeline.py": "pipelines-b", "test_racer_pipeline.py": "pipelines-b",
-    "test_trace_pipeline.py": "pipelines-b", "test_proofverify_pipeline.py": "pipelines-b",
-}
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        path = item.nodeid.replace("\\", "/").split("::")[0]
-        if path.startswith("tests/pipelines/"):
-            group = PIPELINE_GROUPS.get(path.rsplit("/", 1)[-1], "pipelines-b")
-            item.add_marker(pytest.mark.xdist_group(group))
 
 
 def drain_prefect(timeout: float = 20.0) -> int:

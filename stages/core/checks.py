@@ -10,10 +10,18 @@ great-expectations 1.x has no polars engine, so the suite runs on `df.to_pandas(
 checked on the polars schema first (exact: Int32 vs Int64), the rest by GE. GE is imported lazily
 (about 4 s) and its ephemeral context is created once per process; one validation of a 20k-row
 split takes tens of milliseconds after that.
+
+Passed validations are remembered by content: a marker named by the SHA-256 of (this file, the
+GE version, the spec, the frame's Arrow IPC bytes) in `$PAPERLINE_CHECK_CACHE` (default
+`<repo>/.paperline/check-cache`; `off` disables it). A consumer reading the exact table its
+producer validated against the same rules skips the GE import (most stages: a 7 s stage becomes
+3 s). Any changed byte, rule or GE version is a miss; failures are never remembered.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io as _io
 import logging
 import os
 import threading
@@ -188,14 +196,52 @@ def _describe_failure(result: Any) -> tuple[str | None, str, str]:
     return column, rule, f"{detail} [{cfg.type}]"
 
 
+def _cache_dir() -> Path | None:
+    setting = os.environ.get("PAPERLINE_CHECK_CACHE", "")
+    if setting.lower() == "off":
+        return None
+    if setting:
+        return Path(setting)
+    from stages.core.config import find_root
+
+    try:
+        return find_root() / ".paperline" / "check-cache"
+    except Exception:  # not inside a paperline checkout: no cache
+        return None
+
+
+def validation_key(df: pl.DataFrame, spec: FrameSpec) -> str:
+    """SHA-256 of what decides the outcome: the rules' code, GE's version, the spec, the data."""
+    from importlib.metadata import version
+
+    h = hashlib.sha256()
+    h.update(Path(__file__).read_bytes())
+    h.update(version("great_expectations").encode())
+    h.update(repr(spec).encode())
+    buf = _io.BytesIO()
+    df.rechunk().write_ipc(buf, compression="uncompressed")
+    h.update(buf.getvalue())
+    return h.hexdigest()
+
+
 def validate_frame(df: pl.DataFrame, expectations: FrameSpec, name: str) -> dict[str, Any]:
     """Run `expectations` on `df` as a GE suite; raise DataValidationError on any failure.
 
     `name` identifies the data in messages and logs (use the file path). Returns a summary:
-    success, evaluated expectations, rows, seconds and GE's own result dict.
+    success, evaluated expectations, rows, seconds, and GE's own result dict (absent when the
+    same data passed the same rules before: `cached` is then True).
     """
     started = time.perf_counter()
     check_schema(df.schema, expectations, name)
+    cache = _cache_dir()
+    marker = cache / validation_key(df, expectations) if cache is not None else None
+    if marker is not None and marker.is_file():
+        evaluated = int(marker.read_text().split()[0])
+        seconds = time.perf_counter() - started
+        log.info("%s: %d expectations passed on %d rows (same data and rules as a passed "
+                 "validation: %s)", name, evaluated, df.height, marker.name[:12])
+        return {"success": True, "evaluated": evaluated, "rows": df.height, "seconds": seconds,
+                "cached": True}
     g = _gx()
     suite = build_suite(expectations, name)
     batch = g["batch_definition"].get_batch(batch_parameters={"dataframe": df.to_pandas()})
@@ -215,8 +261,21 @@ def validate_frame(df: pl.DataFrame, expectations: FrameSpec, name: str) -> dict
     _check_balance(df, expectations, name)
     log.info("%s: %d expectations passed on %d rows in %.3fs", name, len(result.results),
              df.height, seconds)
+    if marker is not None:
+        _remember(marker, f"{len(result.results)} {name}\n")
     return {"success": True, "evaluated": len(result.results), "rows": df.height,
-            "seconds": seconds, "result": result.describe_dict()}
+            "seconds": seconds, "cached": False, "result": result.describe_dict()}
+
+
+def _remember(marker: Path, text: str) -> None:
+    """Write the pass marker atomically; a cache that cannot be written is only slower."""
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        tmp = marker.with_name(f".{marker.name}.{os.getpid()}.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, marker)
+    except OSError as exc:
+        log.debug("check cache not written (%s): %s", marker, exc)
 
 
 def _check_balance(df: pl.DataFrame, spec: FrameSpec, name: str) -> None:

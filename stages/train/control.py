@@ -40,6 +40,7 @@ from gymnasium import spaces
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from stable_baselines3 import PPO
 from stable_baselines3.common.callbacks import BaseCallback
+from stable_baselines3.common.logger import Logger
 from stable_baselines3.common.monitor import Monitor
 from stable_baselines3.common.utils import explained_variance
 from stable_baselines3.common.vec_env import DummyVecEnv
@@ -397,7 +398,11 @@ def build_model(cfg: Config, arm: str, spec: str, seed: int) -> _PolicyLossPPO:
         kwargs.update(epsilon=cfg.epsilon, lambda_init=cfg.lambda_init,
                       lambda_lr=cfg.lambda_lr, dual_rule=cfg.dual_rule, center=cfg.center,
                       v_ema=cfg.v_ema)
-    return ALGORITHMS[arm]("MlpPolicy", env, **kwargs)
+    model = ALGORITHMS[arm]("MlpPolicy", env, **kwargs)
+    # SB3's default logger makes a folder $TMPDIR/SB3-<time> per model even with no output
+    # format; ours records `train/*` in memory only (the callback sends what we keep to MLflow)
+    model.set_logger(Logger(folder=None, output_formats=[]))
+    return model
 
 
 # --- evaluation -----------------------------------------------------------------------------

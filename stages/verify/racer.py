@@ -86,6 +86,17 @@ def robust_cost(f_c: np.ndarray, tau: float | None, rho: np.ndarray | None = Non
     return tau * _log_mean_exp(f_c / tau, rho)
 
 
+def tilted_mean(values: np.ndarray, tau: float | None, sign: int,
+                rho: np.ndarray | None = None) -> float:
+    """E_rho~[v] at the worst case rho~ of the KL set (Thm 3.1). For costs (sign=+1) this is the
+    spec's C_{rho_high}(pi) in Algorithm 1's multiplier step: the worst-case expected cost over
+    the ball KL(rho~||rho_n) <= delta whose dual temperature is tau. It exceeds the penalised
+    value C_tau = robust_cost by tau KL(rho~||rho_n) >= 0."""
+    values = np.asarray(values, dtype=np.float64)
+    rho_n = np.full(len(values), 1.0 / len(values)) if rho is None else np.asarray(rho, float)
+    return float(np.dot(rho_n * kl_tilt_weights(values, tau, sign, rho), values))
+
+
 def expected(p: np.ndarray, v: np.ndarray) -> np.ndarray:
     """f(z_i; pi) = sum_a pi(a|z_i) v_i(a) with p = pi(1|z): v has shape (n, 2), a in {0, 1}."""
     return (1.0 - p) * v[:, 0] + p * v[:, 1]
@@ -212,6 +223,15 @@ class Arm(BaseModel):
     name: str = Field(description="arm name (erm, racer, racer_r, racer_c)")
     robust_reward: bool = Field(description="reweight rewards by rho_low (tau_r)")
     robust_cost: bool = Field(description="reweight costs by rho_high (tau_c)")
+    tau_r: float | None = Field(None, gt=0, description="this arm's reward temperature "
+                                                        "(None: the stage's tau_r)")
+    tau_c: float | None = Field(None, gt=0, description="this arm's cost temperature "
+                                                        "(None: the stage's tau_c)")
+
+    def taus(self, cfg: "Config") -> tuple[float | None, float | None]:
+        """(tau_r, tau_c) this arm trains with; None where it is not robust (tau -> inf)."""
+        return ((self.tau_r or cfg.tau_r) if self.robust_reward else None,
+                (self.tau_c or cfg.tau_c) if self.robust_cost else None)
 
 
 class Config(BaseModel):
@@ -229,6 +249,10 @@ class Config(BaseModel):
     tau_c: float = Field(2.0, gt=0, description="cost temperature (cost units)")
     eta: float | None = Field(None, gt=0, description="multiplier step size; None: 1/beta "
                                                       "(the closed form)")
+    constraint: Literal["tilted_mean", "penalized"] = Field(
+        "tilted_mean", description="the cost the multiplier step and the best-iterate check hold "
+        "to the budget: tilted_mean = E_rho_high[f_c] (Algorithm 1, the worst case in the KL "
+        "ball); penalized = C_tau = E_rho_high[f_c] - tau_c KL, a weaker constraint")
     iters: int = Field(150, ge=1, le=100000, description="outer primal-dual iterations")
     policy_steps: int = Field(3, ge=1, le=1000, description="Adam steps per policy step")
     batch_size: int = Field(512, ge=1, description="mini-batch per outer step (>= 256, spec §6)")
@@ -282,6 +306,15 @@ def policy_loss(logits: Any, r: Any, c: Any, w_r: Any, w_c: Any, lam: float, bet
     return -((w_r * f_r).mean() - lam * (w_c * f_c).mean() + beta * ent.mean())
 
 
+def constrained_cost(f_c: np.ndarray, tau_c: float | None, constraint: str) -> float:
+    """The cost held to the budget C (Config.constraint); the plain mean when tau_c is None."""
+    if constraint == "tilted_mean":
+        return tilted_mean(f_c, tau_c, +1)
+    if constraint == "penalized":
+        return robust_cost(f_c, tau_c)
+    raise ValueError(f"constraint = {constraint!r}: expected tilted_mean or penalized")
+
+
 def router_probs(model: Any, x: np.ndarray) -> np.ndarray:
     import torch
 
@@ -320,13 +353,14 @@ def train_router(x: np.ndarray, r: np.ndarray, c: np.ndarray, x_val: np.ndarray,
             opt.step()
         with torch.no_grad():
             p = torch.sigmoid(model(xb).squeeze(-1)).numpy().astype(np.float64)
-        lam = multiplier_step(lam, robust_cost(expected(p, cb.numpy()), tau_c), budget,
-                              cfg.beta, cfg.eta)
+        # lambda_{t+1} from C_{rho_high}(pi_{t+1}): rho_high recomputed at the updated policy
+        lam = multiplier_step(lam, constrained_cost(expected(p, cb.numpy()), tau_c, cfg.constraint),
+                              budget, cfg.beta, cfg.eta)
         lams.append(lam)
         if t % cfg.eval_every == 0 or t == cfg.iters:
             pv = router_probs(model, x_val).astype(np.float64)
             acc, cost = float(expected(pv, r_val).mean()), float(expected(pv, c_val).mean())
-            rcost = robust_cost(expected(pv, c_val), tau_c)
+            rcost = constrained_cost(expected(pv, c_val), tau_c, cfg.constraint)
             point = {"iter": t, "lam": lam, "val_acc": acc, "val_cost": cost,
                      "val_robust_cost": rcost, "reasoning_share": float(pv.mean())}
             history.append(point)
@@ -387,8 +421,7 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     started = time.perf_counter()
     with io.atomic_path(out, is_dir=True) as tmp:
         for arm in cfg.arms:
-            tau_r = cfg.tau_r if arm.robust_reward else None
-            tau_c = cfg.tau_c if arm.robust_cost else None
+            tau_r, tau_c = arm.taus(cfg)
             for budget in cfg.budgets:
                 for seed in cfg.seeds:
                     t0 = time.perf_counter()

@@ -53,6 +53,42 @@ def expect_error(path: Path, spec: FrameSpec, rule: str, column: str | None = No
     return msg
 
 
+@pytest.fixture(autouse=True)
+def _own_check_cache(tmp_path, monkeypatch):
+    """Each test starts with an empty cache of passed validations (GE really runs)."""
+    monkeypatch.setenv("PAPERLINE_CHECK_CACHE", str(tmp_path / "check-cache"))
+
+
+def test_a_passed_validation_is_remembered_by_content_and_rules(tmp_path, caplog):
+    first = validate_frame(good_frame(), SPEC, "memory")
+    assert first["cached"] is False and "result" in first
+    again = validate_frame(good_frame(), SPEC, "memory")
+    assert again["cached"] is True and again["evaluated"] == first["evaluated"]
+    # the file a producer validated, read back by a consumer: the same content, a hit
+    path = write(tmp_path, good_frame())
+    with caplog.at_level(logging.INFO, logger="paperline"):
+        assert read_parquet_checked(path, SPEC).equals(good_frame())
+    assert "same data and rules as a passed validation" in caplog.text
+    # one changed value, or one changed rule: GE runs again
+    changed = good_frame().with_columns(pl.when(pl.col("id") == "r3").then(7).otherwise(
+        pl.col("answer")).alias("answer"))
+    assert validate_frame(changed, SPEC, "memory")["cached"] is False
+    stricter = spec_from_schema(SCHEMA, id={"unique": True}, answer={"min": 0, "max": 50})
+    assert validate_frame(good_frame(), stricter, "memory")["cached"] is False
+    # a failure is never remembered: the same bad data fails every time
+    bad = good_frame().with_columns(pl.lit(500).cast(pl.Int64).alias("answer"))
+    for _ in range(2):
+        with pytest.raises(DataValidationError, match="value range"):
+            validate_frame(bad, SPEC, "memory")
+    assert len(list((tmp_path / "check-cache").iterdir())) == 3
+
+
+def test_check_cache_off(monkeypatch):
+    monkeypatch.setenv("PAPERLINE_CHECK_CACHE", "off")
+    for _ in range(2):
+        assert validate_frame(good_frame(), SPEC, "memory")["cached"] is False
+
+
 def test_good_file_passes_and_is_returned(tmp_path, capsys, caplog):
     path = write(tmp_path, good_frame())
     with caplog.at_level(logging.INFO, logger="paperline"):

@@ -43,6 +43,40 @@ def test_robust_reward_and_cost_closed_forms():
     assert racer.robust_cost(f, 1e-3) == pytest.approx(1.0, abs=1e-2)
 
 
+def test_tilted_mean_is_the_worst_case_expected_cost():
+    f = np.array([0.0, 1.0])
+    # rho_high = [1, e]/(1+e): E_rho_high[f] = e/(1+e) = 0.7311
+    assert racer.tilted_mean(f, 1.0, +1) == pytest.approx(E / (1 + E))
+    assert racer.tilted_mean(f, 1.0, -1) == pytest.approx(1 / (1 + E))
+    assert racer.tilted_mean(f, None, +1) == 0.5
+    # it exceeds the penalised C_tau by exactly tau KL(rho_high || rho_n)
+    rho = np.array([1.0, E]) / (1 + E)
+    kl = float(np.sum(rho * np.log(rho / 0.5)))
+    for tau in (1.0, 2.0):
+        rho_t = np.array([1.0, math.exp(1 / tau)]) / (1 + math.exp(1 / tau))
+        kl_t = float(np.sum(rho_t * np.log(rho_t / 0.5)))
+        assert racer.tilted_mean(f, tau, +1) - racer.robust_cost(f, tau) == pytest.approx(
+            tau * kl_t)
+    # 0.2689 ln 0.5379 + 0.7311 ln 1.4621 = -0.1667 + 0.2777 = 0.1109 = 0.7311 - 0.6201
+    assert kl == pytest.approx(0.1109, abs=1e-4)
+    # the stage's constraint: tilted mean by default, the penalised form on request
+    assert racer.constrained_cost(f, 1.0, "tilted_mean") == pytest.approx(0.7311, abs=1e-4)
+    assert racer.constrained_cost(f, 1.0, "penalized") == pytest.approx(0.6201, abs=1e-4)
+    with pytest.raises(ValueError, match="constraint"):
+        racer.constrained_cost(f, 1.0, "robust")
+
+
+def test_arm_temperatures_override_the_stage_defaults():
+    cfg = racer.Config(arms=[{"name": "racer", "robust_reward": True, "robust_cost": True}],
+                       budgets=[1.5], tau_r=0.5, tau_c=1.0)
+    assert cfg.constraint == "tilted_mean"
+    assert racer.Arm(name="a", robust_reward=True, robust_cost=True).taus(cfg) == (0.5, 1.0)
+    assert racer.Arm(name="a", robust_reward=False, robust_cost=True,
+                     tau_c=0.25).taus(cfg) == (None, 0.25)
+    assert racer.Arm(name="a", robust_reward=False, robust_cost=False,
+                     tau_c=0.25).taus(cfg) == (None, None)
+
+
 def test_multiplier_step_grows_when_over_budget():
     # closed form max(0, (C_U - C)/beta)
     assert racer.multiplier_step(0.0, 3.5, 3.0, 0.01) == pytest.approx(50.0)
