@@ -81,6 +81,7 @@ STAGES: dict[str, dict[str, str]] = {
         "judge": "stages.verify.proofverify_select",
         "genselect": "stages.verify.proofverify_select",
         "hybrid": "stages.verify.proofverify_select",
+        "oracle": "stages.verify.proofverify_oracle",
         "compare": "stages.evaluate.proofverify_compare",
     },
     # RACER: two judges fine-tuned from the base model (direct yes/no vs recompute-then-verdict),

@@ -7,6 +7,9 @@ conditions of stage `score` (policy checkpoint x temperature):
 - Pearson and Spearman r of mean TRACE vs accuracy, with a bootstrap 95% CI over conditions
   (few points, so Spearman too); the same for the baselines, each oriented so that higher
   should mean better: negative perplexity (-exp(mean NLL)) and response length;
+- TRACE vs each baseline: a paired bootstrap 95% CI of r(TRACE) - r(baseline) (both r on the
+  same resampled conditions); "TRACE tracks accuracy better" needs that CI above 0, not only a
+  higher point estimate (with 8 conditions the single-score CIs are wide and overlap);
 - per sample: point-biserial r (Pearson with the 0/1 correctness) of each score;
 - best-of-N reranking inside each condition: pick the sample with the highest TRACE vs a random
   pick (the expected accuracy of one sample) vs the longest, and the oracle (pass@N).
@@ -85,6 +88,25 @@ def bootstrap_ci(x: Sequence[float], y: Sequence[float], n: int, seed: int = 0
     return rs[int(0.025 * (len(rs) - 1))], rs[int(0.975 * (len(rs) - 1))]
 
 
+def bootstrap_diff_ci(x: Sequence[float], z: Sequence[float], y: Sequence[float], n: int,
+                      seed: int = 0) -> tuple[float, float]:
+    """Paired percentile 95% CI of r(x, y) - r(z, y): each draw resamples the points once and
+    computes both r on them, so what the two scores share cancels; NaN draws are dropped."""
+    rng = random.Random(seed)
+    idx = range(len(x))
+    ds = []
+    for _ in range(n):
+        pick = [rng.choice(idx) for _ in idx]
+        ys = [y[i] for i in pick]
+        d = pearson([x[i] for i in pick], ys) - pearson([z[i] for i in pick], ys)
+        if not math.isnan(d):
+            ds.append(d)
+    if not ds:
+        return math.nan, math.nan
+    ds.sort()
+    return ds[int(0.025 * (len(ds) - 1))], ds[int(0.975 * (len(ds) - 1))]
+
+
 def per_condition(samples: pl.DataFrame) -> pl.DataFrame:
     """Mean accuracy and scores per generator condition."""
     return (samples.with_columns((-pl.col("nll").exp()).alias("neg_ppl"))
@@ -126,6 +148,10 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
         if cfg.bootstrap:
             m[f"ci_low/{s}"], m[f"ci_high/{s}"] = bootstrap_ci(xs, acc, cfg.bootstrap, ctx.seed)
         m[f"point_biserial/{s}"] = pearson(per_sample[s].cast(pl.Float64).to_list(), correct)
+    if cfg.bootstrap:
+        for s in SCORES[1:]:
+            m[f"diff_ci_low/{s}"], m[f"diff_ci_high/{s}"] = bootstrap_diff_ci(
+                cond["trace"].to_list(), cond[s].to_list(), acc, cfg.bootstrap, ctx.seed)
     m |= best_of_n(samples, ctx.seed)
     for r in cond.iter_rows(named=True):
         m[f"{r['condition']}/acc"] = r["acc"]

@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from stages.evaluate import proofverify_compare as cmp
 from stages.verify import proofverify as pv
 from stages.verify import proofverify_candidates as cand
+from stages.verify import proofverify_oracle as oracle
 from stages.verify import proofverify_select as sel
 from stages.verify import proofverify_train as train
 
@@ -356,3 +357,101 @@ def test_verifier_training_targets():
             assert pv.parse_choice(t) == best - 1
             firsts.append(best == 1)
     assert 0.3 < sum(firsts) / len(firsts) < 0.7         # no position bias in the data
+
+
+# --- simulated-oracle mode (stage `oracle`) ---------------------------------------------------
+
+@pytest.mark.parametrize("budget, n_p, want", [
+    (64, 256, (64, 1)),       # B < n_p: 64 candidates, one verdict each
+    (256, 256, (256, 1)),
+    (1024, 256, (256, 4)),
+    (4096, 256, (256, 16)),
+    (1000, 256, (256, 3)),    # 1000 // 256: 232 calls left unspent
+])
+def test_judge_plan(budget, n_p, want):
+    assert oracle.judge_plan(budget, n_p) == want
+
+
+@pytest.mark.parametrize("budget, n_p, want", [
+    (64, 256, (64, 4, 1)),          # pool of B: 60 games + 4 x 1 verdicts = 64 calls
+    (256, 256, (256, 16, 1)),       # 240 games + 16 x 1 = 256
+    (1024, 256, (256, 16, 49)),     # 240 + 16 x 49 = 1024
+    (4096, 256, (256, 16, 241)),    # 240 + 16 x 241 = 4096
+    (300, 256, (256, 16, 3)),       # 240 + 16 x 3 = 288 <= 300
+    (10, 256, (10, 1, 1)),          # n_s at least 1
+])
+def test_hybrid_plan_spends_at_most_the_budget(budget, n_p, want):
+    pool, n_s, n_j = oracle.hybrid_plan(budget, n_p, 16)
+    assert (pool, n_s, n_j) == want
+    assert pool - n_s + n_s * n_j <= budget
+
+
+def test_genselect_plan():
+    assert oracle.genselect_plan(64, 256) == 65 and oracle.genselect_plan(4096, 256) == 256
+
+
+def test_oracle_games_follow_the_set_accuracy():
+    rng = random.Random(0)
+    sure = oracle.Oracle(pairwise_acc=1.0)
+    # the valid one always wins, in either position
+    assert oracle.play_oracle_game(True, False, sure, rng) == 0
+    assert oracle.play_oracle_game(False, True, sure, rng) == 1
+    wrong = oracle.Oracle(pairwise_acc=0.0)
+    assert oracle.play_oracle_game(True, False, wrong, rng) == 1
+    # same validity: a coin flip, both outcomes show up
+    assert {oracle.play_oracle_game(False, False, sure, rng) for _ in range(50)} == {0, 1}
+    # at 0.75 the valid side wins about 3 of 4 games
+    wins = sum(oracle.play_oracle_game(True, False, oracle.Oracle(), rng) == 0
+               for _ in range(4000))
+    assert 0.72 < wins / 4000 < 0.78
+
+
+def _pool(flaws, answers):
+    return pl.DataFrame({"flaw": flaws, "valid": [f == "none" for f in flaws],
+                         "final_answer": answers,
+                         "answer_correct": [a == 7 for a in answers]})
+
+
+def test_perfect_oracle_arms_pick_the_only_valid_candidate_within_budget():
+    import numpy as np
+
+    # 16 candidates, one valid (index 5); majority answer 7 is held by flaw-b candidates
+    flaws = ["a"] * 8 + ["b"] * 7 + ["none"]
+    flaws[5], flaws[15] = "none", "a"
+    answers = [3] * 8 + [7] * 8
+    answers[5] = 7
+    pool = _pool(flaws, answers)
+    perfect = oracle.Oracle(p_yes_valid=1.0, p_yes_flaw_b=0.0, p_yes_flaw_a=0.0,
+                            pairwise_acc=1.0)
+    cfg = oracle.Config(oracle=perfect, budgets=[16], n_p=16, survivor_ratio=4, seeds=[0])
+    for seed in range(5):
+        got = oracle.select_all(pool, 16, cfg, random.Random(seed), np.random.default_rng(seed))
+        assert got["judge"] == (5, 16)                     # 16 candidates x 1 verdict
+        assert got["genselect"] == (5, 15)                 # 15 games
+        assert got["hybrid"] == (5, 12 + 4 * 1)            # 12 games + 4 survivors x 1
+        assert answers[got["majority"][0]] == 7 and got["majority"][1] == 0
+    # a budget too small for the whole pool: the judge sees only the first 4 (no valid one)
+    got = oracle.select_all(pool, 4, cfg, random.Random(0), np.random.default_rng(0))
+    assert got["judge"][1] == 4 and got["judge"][0] < 4 and got["genselect"][1] == 4
+
+
+def test_oracle_claims_by_hand():
+    m = {"hybrid/B64/proof_acc_mean": 0.7, "hybrid/B256/proof_acc_mean": 0.9,
+         "judge/B64/proof_acc_mean": 0.6, "judge/B256/proof_acc_mean": 0.85,
+         "genselect/B256/proof_acc_mean": 0.95}
+    c = oracle.claims(m, [64, 256])
+    assert c["claim_hybrid_ge_judge_every_budget"] == 1.0
+    assert c["hybrid_matches_judge_at"] == 256.0            # 0.7 < 0.85 at 64
+    assert c["claim_hybrid_matches_judge_cheaper"] == 0.0
+    assert c["claim_hybrid_ge_genselect"] == 0.0
+    m["hybrid/B64/proof_acc_mean"] = 0.86
+    assert oracle.claims(m, [64, 256])["hybrid_matches_judge_at"] == 64.0
+
+
+def test_oracle_config_rejects_bad_budgets_before_compute():
+    with pytest.raises(ValidationError, match="budgets"):
+        oracle.Config(budgets=[0, 64])
+    with pytest.raises(ValidationError, match="repeats"):
+        oracle.Config(budgets=[64, 64])
+    with pytest.raises(ValidationError, match="p_yes_valid"):
+        oracle.Config(oracle={"p_yes_valid": 1.5})

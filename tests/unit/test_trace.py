@@ -11,7 +11,9 @@ from pydantic import ValidationError
 
 from stages.tasks import arith, toulmin
 from stages.verify import trace
-from stages.verify.trace_correlate import best_of_n, pearson, ranks, spearman
+from stages.evaluate.trace_compare import claims
+from stages.verify.trace_correlate import (best_of_n, bootstrap_diff_ci, pearson, ranks,
+                                          spearman)
 
 T = trace.Tables()  # the spec's default tables, alpha = 0.7
 
@@ -136,3 +138,33 @@ def test_correlation_helpers_by_hand():
         "correct": [True, False, False, True]})
     bon = best_of_n(samples)
     assert bon["bon_trace"] == 1.0 and bon["bon_length"] == 0.0 and bon["bon_oracle"] == 1.0
+
+
+def test_paired_bootstrap_of_the_r_difference():
+    y = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6]
+    # x tracks y exactly, z is y with two points swapped: on every draw r(x) >= r(z), and the
+    # draws that keep both swapped points make it strictly higher, so the CI is >= 0 throughout
+    x, z = y, [0.1, 0.2, 0.4, 0.3, 0.5, 0.6]
+    low, high = bootstrap_diff_ci(x, z, y, 500, seed=0)
+    assert 0 <= low <= high and high > 0
+    # a score against itself: every draw's difference is exactly 0
+    assert bootstrap_diff_ci(x, x, y, 100) == (0.0, 0.0)
+    # the difference is antisymmetric: the CI of z against x is the mirror image
+    low2, high2 = bootstrap_diff_ci(z, x, y, 500, seed=0)
+    assert (low2, high2) == pytest.approx((-high, -low))
+
+
+def test_trace_claim_needs_the_paired_ci_above_zero_for_each_baseline():
+    cor = {"pearson/trace": 0.9, "ci_low/trace": 0.6, "pearson/neg_ppl": 0.8,
+           "pearson/length": 0.1, "diff_ci_low/neg_ppl": -0.05, "diff_ci_low/length": 0.3}
+    c = claims({"correlate": cor}, [])
+    # higher point estimate than both baselines, but the perplexity difference CI crosses 0
+    assert c["claim_trace_beats_length"] == 1.0 and c["claim_trace_beats_neg_ppl"] == 0.0
+    assert c["claim_trace_beats_baselines"] == 0.0
+    c = claims({"correlate": cor | {"diff_ci_low/neg_ppl": 0.01}}, [])
+    assert c["claim_trace_beats_baselines"] == 1.0
+    # r's own CI touching 0 fails the claim; no bootstrap (no CI) cannot pass it
+    assert claims({"correlate": cor | {"diff_ci_low/neg_ppl": 0.01, "ci_low/trace": 0.0}},
+                  [])["claim_trace_beats_baselines"] == 0.0
+    assert claims({"correlate": {"pearson/trace": 0.9}}, [])[
+        "claim_trace_beats_baselines"] == 0.0
