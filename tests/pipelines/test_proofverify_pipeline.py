@@ -63,6 +63,16 @@ def test_compare_metrics_readme_and_registry(pv_repo: Path):
     block = readme.split("<!-- results:start")[1].split("<!-- results:end")[0]
     assert "| Hybrid |" in block and f"{m['hybrid/proof_acc_mean']:.3f}" in block
 
+    # simulated-oracle mode (smoke: budgets 4, 16, 64 over pools of 16): no arm spends more
+    # than its budget, GenSelect stops at n_p - 1 games, and the table reaches the README
+    o = json.loads((pv_repo / P / "metrics/oracle.json").read_text())
+    for b in (4, 16, 64):
+        for arm in ("judge", "genselect", "hybrid"):
+            assert 0 < o[f"{arm}/B{b}/calls_mean"] <= b
+            assert 0.0 <= o[f"{arm}/B{b}/proof_acc_mean"] <= o["pass_at_pool"] + 1e-9
+    assert o["genselect/B64/calls_mean"] == 15 and o["judge/B64/calls_mean"] == 64
+    assert "Simulated-oracle mode" in block and "| Hybrid | " in block.split("Simulated")[1]
+
     proc = paperline(pv_repo, "compare", "proofverify")
     assert proc.returncode == 0, proc.stderr[-2000:]
     client = mlflow_client(pv_repo)
