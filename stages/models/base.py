@@ -195,7 +195,7 @@ def completion_loss(model: Any, rows: list[dict[str, list[int]]], pad_id: int,
     model.eval()
     with torch.no_grad():
         for i in range(0, len(rows), batch_size):
-            batch = collate(rows[i:i + batch_size])
+            batch = {k: v.to(model.device) for k, v in collate(rows[i:i + batch_size]).items()}
             logits = model(input_ids=batch["input_ids"],
                            attention_mask=batch["attention_mask"]).logits[:, :-1]
             labels = batch["labels"][:, 1:]

@@ -13,6 +13,11 @@ padding, so every row's next token sits in the last column), `batch_size` sequen
 together, and a batch ends as soon as every row has emitted `<eos>`. Greedy decoding with
 `num_samples > 1` decodes once and repeats the answer. Sampling is reproducible for a given
 seed, batch size and prompt list; the global torch RNG is left as it was.
+
+Device: `load_model` puts the model on `default_device()`: $PAPERLINE_DEVICE when set (`cpu`,
+`cuda`, `cuda:1`, ...), else the first CUDA GPU when one is visible, else the CPU. A stage that
+runs on a GPU worker then generates there with no params change; callers move their batches to
+`model.device`.
 """
 
 from __future__ import annotations
@@ -21,8 +26,22 @@ from pathlib import Path
 from typing import Any, Sequence
 
 
-def load_model(path: str | Path, *, dtype: Any = None) -> tuple[Any, Any]:
-    """(model, tokenizer) from a local `save_pretrained` folder; never downloads."""
+def default_device() -> str:
+    """$PAPERLINE_DEVICE if set, else `cuda` when torch sees a GPU, else `cpu`."""
+    import os
+
+    import torch
+
+    chosen = os.environ.get("PAPERLINE_DEVICE", "").strip()
+    if chosen:
+        return chosen
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_model(path: str | Path, *, dtype: Any = None, device: str | None = None
+               ) -> tuple[Any, Any]:
+    """(model, tokenizer) from a local `save_pretrained` folder, on `device` (default:
+    `default_device()`); never downloads."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = Path(path)
@@ -34,6 +53,7 @@ def load_model(path: str | Path, *, dtype: Any = None) -> tuple[Any, Any]:
         tokenizer.pad_token = tokenizer.eos_token
     kwargs = {"dtype": dtype} if dtype is not None else {}
     model = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True, **kwargs)
+    model.to(device or default_device())
     model.eval()
     return model, tokenizer
 

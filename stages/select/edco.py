@@ -252,7 +252,7 @@ def target_nll(model: Any, tokenizer: Any, prompts: Sequence[str], targets: Sequ
     model.eval()
     with torch.inference_mode():
         for i in range(0, len(rows), batch_size):
-            batch = collate(rows[i:i + batch_size])
+            batch = {k: v.to(model.device) for k, v in collate(rows[i:i + batch_size]).items()}
             logits = model(input_ids=batch["input_ids"],
                            attention_mask=batch["attention_mask"]).logits[:, :-1].float()
             labels = batch["labels"][:, 1:]

@@ -89,6 +89,8 @@ def load_prm(folder: str | Path, *, new_head: bool = False) -> tuple[Any, Any]:
     token classifier (backbone weights kept, head freshly initialised). Never downloads."""
     from transformers import AutoModelForTokenClassification, AutoTokenizer
 
+    from stages.models.generate import default_device
+
     folder = Path(folder)
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder}: no config.json; expected a save_pretrained folder")
@@ -99,6 +101,7 @@ def load_prm(folder: str | Path, *, new_head: bool = False) -> tuple[Any, Any]:
                                                             **kwargs)
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
+    model.to(default_device())   # a GPU worker's GPU; batches follow model.device
     return model, tokenizer
 
 
@@ -112,7 +115,7 @@ def step_probs(model: Any, encoded: Sequence[dict[str, list[int]]], pad_id: int,
     with torch.inference_mode():
         for start in range(0, len(encoded), batch_size):
             chunk = encoded[start:start + batch_size]
-            batch = collate(chunk, pad_id)
+            batch = {k: v.to(model.device) for k, v in collate(chunk, pad_id).items()}
             logits = model(input_ids=batch["input_ids"],
                            attention_mask=batch["attention_mask"]).logits
             prob = torch.softmax(logits.float(), dim=-1)[..., 1]
@@ -286,7 +289,7 @@ def train_prm(params: PRMParams, base_dir: Path, train_rows: Sequence[dict[str, 
         model.train()
         idx = order[(step - 1) * params.batch_size: step * params.batch_size]
         batch = collate([encoded[i] for i in idx], tokenizer.pad_token_id)
-        loss = model(**batch).loss
+        loss = model(**{k: v.to(model.device) for k, v in batch.items()}).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), params.max_grad_norm)
         optim.step()

@@ -57,11 +57,12 @@ def hidden_embed(texts: list[str], path: Any, batch_size: int) -> np.ndarray:
     model, tokenizer = load_model(path)
     out = []
     for i in range(0, len(texts), batch_size):
-        batch = tokenizer(texts[i:i + batch_size], return_tensors="pt", padding=True)
+        batch = tokenizer(texts[i:i + batch_size], return_tensors="pt",
+                          padding=True).to(model.device)
         with torch.no_grad():
             h = model(**batch, output_hidden_states=True).hidden_states[-1]
         mask = batch["attention_mask"].unsqueeze(-1).float()
-        out.append(((h * mask).sum(1) / mask.sum(1)).numpy())
+        out.append(((h * mask).sum(1) / mask.sum(1)).cpu().numpy())
     return np.concatenate(out).astype(np.float32)
 
 

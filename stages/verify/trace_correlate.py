@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import polars as pl
 from pydantic import BaseModel, ConfigDict, Field
@@ -71,40 +71,34 @@ def spearman(x: Sequence[float], y: Sequence[float]) -> float:
     return pearson(ranks(x), ranks(y))
 
 
+def percentile_ci(n_points: int, stat: Callable[[list[int]], float], draws: int, seed: int = 0
+                  ) -> tuple[float, float]:
+    """Percentile 95% CI of `stat(picked indices)` over `draws` resamples of the points with
+    replacement; NaN draws are dropped (NaN, NaN when none is left)."""
+    rng = random.Random(seed)
+    idx = range(n_points)
+    vals = [v for v in (stat([rng.choice(idx) for _ in idx]) for _ in range(draws))
+            if not math.isnan(v)]
+    if not vals:
+        return math.nan, math.nan
+    vals.sort()
+    return vals[int(0.025 * (len(vals) - 1))], vals[int(0.975 * (len(vals) - 1))]
+
+
 def bootstrap_ci(x: Sequence[float], y: Sequence[float], n: int, seed: int = 0
                  ) -> tuple[float, float]:
-    """Percentile 95% CI of Pearson r over resampled (x, y) points; NaN draws are dropped."""
-    rng = random.Random(seed)
-    idx = range(len(x))
-    rs = []
-    for _ in range(n):
-        pick = [rng.choice(idx) for _ in idx]
-        r = pearson([x[i] for i in pick], [y[i] for i in pick])
-        if not math.isnan(r):
-            rs.append(r)
-    if not rs:
-        return math.nan, math.nan
-    rs.sort()
-    return rs[int(0.025 * (len(rs) - 1))], rs[int(0.975 * (len(rs) - 1))]
+    """Percentile 95% CI of Pearson r over resampled (x, y) points."""
+    return percentile_ci(len(x), lambda p: pearson([x[i] for i in p], [y[i] for i in p]), n, seed)
 
 
 def bootstrap_diff_ci(x: Sequence[float], z: Sequence[float], y: Sequence[float], n: int,
                       seed: int = 0) -> tuple[float, float]:
     """Paired percentile 95% CI of r(x, y) - r(z, y): each draw resamples the points once and
-    computes both r on them, so what the two scores share cancels; NaN draws are dropped."""
-    rng = random.Random(seed)
-    idx = range(len(x))
-    ds = []
-    for _ in range(n):
-        pick = [rng.choice(idx) for _ in idx]
-        ys = [y[i] for i in pick]
-        d = pearson([x[i] for i in pick], ys) - pearson([z[i] for i in pick], ys)
-        if not math.isnan(d):
-            ds.append(d)
-    if not ds:
-        return math.nan, math.nan
-    ds.sort()
-    return ds[int(0.025 * (len(ds) - 1))], ds[int(0.975 * (len(ds) - 1))]
+    computes both r on them, so what the two scores share cancels."""
+    def diff(p: list[int]) -> float:
+        ys = [y[i] for i in p]
+        return pearson([x[i] for i in p], ys) - pearson([z[i] for i in p], ys)
+    return percentile_ci(len(x), diff, n, seed)
 
 
 def per_condition(samples: pl.DataFrame) -> pl.DataFrame:

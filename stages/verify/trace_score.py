@@ -70,7 +70,7 @@ def sequence_nll(model: Any, tokenizer: Any, prompts: list[str], completions: li
     out: list[float] = []
     with torch.inference_mode():
         for i in range(0, len(rows), batch_size):
-            b = collate(rows[i:i + batch_size])
+            b = {k: v.to(model.device) for k, v in collate(rows[i:i + batch_size]).items()}
             logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
             logp = torch.log_softmax(logits[:, :-1].float(), -1)
             labels = b["labels"][:, 1:]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ import torch
 from stages.evaluate.accuracy import Config as EvalConfig
 from stages.evaluate.accuracy import pass_at_k, summarise
 from stages.models import base
-from stages.models.generate import generate, load_model
+from stages.models.generate import default_device, generate, load_model
 from stages.models.tokenizer import build_tokenizer
 
 PROMPTS = [f"Q: {a}+{b}=? A:" for a, b in [(1, 2), (13, 4), (7, 70), (22, 9), (5, 5)]]
@@ -61,8 +62,9 @@ def test_pass_k_larger_than_samples_is_a_config_error():
 
 # --- generation on a tiny model trained to answer " ok<eos>" -----------------------------------
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def train_ok_model(folder) -> Any:
+    """A tiny model trained (HF Trainer; on the GPU where one is visible) to answer " ok<eos>"
+    to every prompt, saved to `folder`; returns the trained model."""
     torch.manual_seed(0)
     tokenizer = build_tokenizer(set("0123456789+-=;#?:QA ok"))
     cfg = base.Config(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
@@ -71,9 +73,15 @@ def trained(tmp_path_factory):
     model = base.build_model(cfg, tokenizer)
     rows = base.encode_sft_rows(tokenizer, PROMPTS, [ANSWER] * len(PROMPTS), max_len=64)
     base.train(cfg, model, tokenizer, rows, seed=0)
-    folder = tmp_path_factory.mktemp("gen-model")
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    return model
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gen-model")
+    train_ok_model(folder)
     return load_model(folder)
 
 
@@ -105,3 +113,16 @@ def test_greedy_with_several_samples_repeats_the_one_answer(trained):
     out = generate(model, tokenizer, PROMPTS[:2], max_new_tokens=10, num_samples=4)
     assert out == [[ANSWER] * 4] * 2
     assert generate(model, tokenizer, [], max_new_tokens=4) == []
+
+
+def test_models_load_on_the_device_asked_for(trained, tmp_path, monkeypatch):
+    # $PAPERLINE_DEVICE wins; without it a visible GPU is used (none here: the CPU)
+    monkeypatch.setenv("PAPERLINE_DEVICE", "meta")
+    assert default_device() == "meta"
+    model, tokenizer = trained
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    assert load_model(tmp_path)[0].device.type == "meta"
+    assert load_model(tmp_path, device="cpu")[0].device.type == "cpu"
+    monkeypatch.delenv("PAPERLINE_DEVICE")
+    assert default_device() == ("cuda" if torch.cuda.is_available() else "cpu")
