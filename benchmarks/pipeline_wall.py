@@ -62,6 +62,23 @@ def last_full_execution(client, pipeline: str, declared: list[str], cheap_min: f
     return None
 
 
+def previous_rows() -> list[str]:
+    """The table rows already in the "Pipeline wall time" section of RESULTS.md: a run of this
+    script for some pipelines keeps the others' measurements (each row says when it finished)."""
+    from benchmarks._results import RESULTS
+
+    if not RESULTS.exists():
+        return []
+    text = RESULTS.read_text()
+    start = text.find("## Pipeline wall time\n")
+    if start < 0:
+        return []
+    end = text.find("\n## ", start + 1)
+    section = text[start:end if end > 0 else None]
+    return [line for line in section.splitlines()
+            if line.startswith("| ") and not line.startswith("| pipeline ")]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("pipelines", nargs="+")
@@ -100,7 +117,13 @@ def main() -> None:
         lines.append(f"| {name} | {'/'.join(profiles) or '?'} | {ran} "
                      f"| {wall:.1f} | {target:.0f}: {'met' if wall <= target else 'MISSED'} | {slow} "
                      f"| {ended:%Y-%m-%d %H:%M} |")
-    body = (f"`.venv/bin/python benchmarks/pipeline_wall.py {' '.join(args.pipelines)}`: each "
+    measured = {line.split("|")[1].strip() for line in lines[2:]}
+    kept = [row for row in previous_rows() if row.split("|")[1].strip() not in measured]
+    rows = sorted(lines[2:] + kept, key=lambda row: row.split("|")[1].strip())
+    lines = lines[:2] + rows
+    body = (f"`.venv/bin/python benchmarks/pipeline_wall.py <slugs>` (this time: "
+            f"{' '.join(args.pipelines)}; rows of other pipelines are kept from earlier runs, "
+            "with the date they finished): each "
             "pipeline's last `paperline repro` (= `make run PIPELINE=<slug>`) from its outputs "
             "absent, the shared stages already built, read from the MLflow runs (parent run = "
             "the whole `dvc repro`; stage runs = the stage processes; the latest run that ran every "

@@ -343,6 +343,21 @@ def balanced_indices(problem_ids: Sequence[str], answer_right: Sequence[bool],
     return sorted(out)
 
 
+def paired_diff_ci(a: Sequence[float], b: Sequence[float], draws: int = 2000, seed: int = 0
+                   ) -> tuple[float, float, float]:
+    """Mean of the paired differences a_i - b_i and its percentile 95% bootstrap CI, resampling
+    the pairs with replacement. Pairs are problems (each rule's accuracy on a problem averaged
+    over seeds): both rules chose from the same candidates, so the problem-to-problem spread
+    cancels. A rule beats another when the whole CI lies above 0 [ours: the paper gives no test]."""
+    if len(a) != len(b) or not a:
+        raise ValueError(f"paired_diff_ci needs two equally long non-empty lists, got {len(a)} "
+                         f"and {len(b)}")
+    d = [x - y for x, y in zip(a, b)]
+    n, rng = len(d), random.Random(seed)
+    means = sorted(sum(d[rng.randrange(n)] for _ in range(n)) / n for _ in range(draws))
+    return sum(d) / n, means[int(0.025 * (draws - 1))], means[int(0.975 * (draws - 1))]
+
+
 def mean_std(values: Sequence[float]) -> tuple[float, float]:
     """Mean and population std over seeds (NaN values skipped; NaN when none is left)."""
     vals = [v for v in values if not math.isnan(v)]

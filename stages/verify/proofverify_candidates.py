@@ -6,11 +6,11 @@ both: a solution is VALID iff every step is the true step and all steps are ther
 class (spec §4): `none` (valid), `a` (wrong final answer) or `b` (right answer reached through a
 wrong step: the style-correct but invalid proofs a judge is tempted to accept).
 
-The base policy rarely writes flaw b on its own (0.7% of samples on 3-4 operands at T = 1, see
-README), so a share `corrupt_rate` of the valid samples is turned into flaw b [ours]: one step's
-result is shifted by a small slip (+-1, +-2, +-10), the next step copies the wrong value but
-still lands on the true result, and the final answer is kept. `source` records which candidates
-were corrupted; `corrupt_rate: 0` keeps the policy's own samples only.
+The base policy rarely writes flaw b on its own (under 1% of samples on 3-4 operands at T = 1:
+`natural_flaw_b_share` in metrics), so a share `corrupt_rate` of the valid samples is turned into
+flaw b [ours]: one step's result is shifted by a small slip (+-1, +-2, +-10), the next step copies
+the wrong value but still lands on the true result, and the final answer is kept. `source`
+records which candidates were corrupted; `corrupt_rate: 0` keeps the policy's own samples only.
 
     <out>/train.parquet   candidates on training problems (judge / selector training data)
     <out>/test.parquet    candidates on held-out problems (n_p per problem: what is selected)

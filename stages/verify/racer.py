@@ -197,9 +197,15 @@ def solve_cvxpy(r: np.ndarray, c: np.ndarray, budget: float, *, beta: float,
 
 
 def linear_rate(errors: Sequence[float], floor: float = 1e-5) -> tuple[float, float]:
-    """Fit log e_t = a + t log q over the iterates before e_t first drops below `floor` (the
-    reference solver's precision): (q, R^2). Linear convergence: a straight line, q < 1."""
+    """Fit log e_t = a + t log q over the iterates before e_t first drops below the floor: (q,
+    R^2). Linear convergence: a straight line, q < 1. The floor is the larger of `floor` and 10x
+    the smallest error reached: |lambda_t - lambda*| cannot fall below the reference solver's
+    own error in lambda* (about its tolerance in p / beta, 1e-5 to 1e-4 at beta = 0.05), and the
+    flat tail at that level says nothing about the iteration's rate."""
     e = np.asarray(errors, dtype=np.float64)
+    positive = e[e > 0]
+    if len(positive):
+        floor = max(floor, 10.0 * float(positive.min()))
     below = np.nonzero(e <= floor)[0]
     end = int(below[0]) if len(below) else len(e)
     t = np.nonzero(e[:end] > 0)[0]

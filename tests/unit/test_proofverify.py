@@ -241,6 +241,32 @@ def test_mean_std_over_seeds():
     assert all(math.isnan(x) for x in pv.mean_std([]))
 
 
+def test_paired_diff_ci_by_hand():
+    # every problem the same gap: the CI collapses on it
+    assert pv.paired_diff_ci([1.0, 0.5, 1.0], [0.5, 0.0, 0.5]) == (0.5, 0.5, 0.5)
+    # diffs [1, 0]: resampled means are 0 (P = 1/4), 0.5 (1/2) or 1 (1/4), so the 2.5% and
+    # 97.5% percentiles are 0 and 1: a +0.5 mean whose CI touches 0 is not a win
+    assert pv.paired_diff_ci([1.0, 0.0], [0.0, 0.0]) == (0.5, 0.0, 1.0)
+    with pytest.raises(ValueError, match="equally long"):
+        pv.paired_diff_ci([1.0], [0.0, 1.0])
+
+
+def test_paired_vs_hybrid_pairs_problems_and_averages_seeds():
+    # hybrid picks the valid candidate on both problems and both seeds (acc 1, 1); judge picks
+    # it on p in seed 0 only (p: 0.5, q: 0) -> diffs [0.5, 1.0], mean 0.75, every resample >= 0.5
+    rows = []
+    for seed in (0, 1):
+        rows += [("hybrid", seed, "p", "p-0"), ("hybrid", seed, "q", "q-2"),
+                 ("judge", seed, "p", "p-0" if seed == 0 else "p-1"), ("judge", seed, "q", "q-0")]
+    for m in ("genselect", "majority", "random"):
+        rows += [(m, 0, "p", "p-0"), (m, 0, "q", "q-2")]
+    sel = pl.DataFrame(rows, schema=["method", "seed", "problem_id", "selected_id"], orient="row")
+    m = cmp.paired_vs_hybrid(sel, _cands(), draws=500)
+    assert m["diff/hybrid_judge_mean"] == pytest.approx(0.75)
+    assert m["diff/hybrid_judge_ci_low"] == 0.5 and m["diff/hybrid_judge_ci_high"] == 1.0
+    assert m["diff/hybrid_genselect_mean"] == 0.0 and m["diff/hybrid_genselect_ci_low"] == 0.0
+
+
 def _cands() -> pl.DataFrame:
     return pl.DataFrame({
         "candidate_id": ["p-0", "p-1", "p-2", "q-0", "q-1", "q-2"],

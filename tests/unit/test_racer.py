@@ -101,6 +101,17 @@ def test_linear_rate_of_a_geometric_sequence():
     assert q == pytest.approx(0.5) and r2 == pytest.approx(1.0)
 
 
+def test_linear_rate_ignores_the_reference_solvers_precision_plateau():
+    # 1, 0.1, ..., 1e-4, then stuck at 2e-5 (lambda* known to ~1e-5) for 1000 iterations: the
+    # fit stops before 10 x 2e-5 = 2e-4, on 1, 0.1, 0.01, 0.001 (q = 0.1, a straight line).
+    e = np.concatenate([10.0 ** -np.arange(5), np.full(1000, 2e-5)])
+    q, r2 = racer.linear_rate(e)
+    assert q == pytest.approx(0.1) and r2 == pytest.approx(1.0)
+    # without the cut the plateau dominates the fit and hides the rate
+    t = np.arange(len(e))
+    assert math.exp(np.polyfit(t, np.log(e), 1)[0]) > 0.99
+
+
 def _instance(n: int = 12, seed: int = 3) -> tuple[np.ndarray, np.ndarray, float]:
     rng = np.random.default_rng(seed)
     d = rng.integers(2, 6, n)
