@@ -62,6 +62,12 @@ def test_compare_metrics_readme_and_registry(pv_repo: Path):
     readme = (pv_repo / P / "README.md").read_text()
     block = readme.split("<!-- results:start")[1].split("<!-- results:end")[0]
     assert "| Hybrid |" in block and f"{m['hybrid/proof_acc_mean']:.3f}" in block
+    # the paired claims: Hybrid minus each rule with its CI; "beats" only when the CI is above 0
+    for rule in ("judge", "genselect", "majority", "random"):
+        k = f"diff/hybrid_{rule}"
+        assert m[f"{k}_ci_low"] <= m[f"{k}_mean"] <= m[f"{k}_ci_high"]
+    assert m["claim_hybrid_beats_judge"] == float(m["diff/hybrid_judge_ci_low"] > 0)
+    assert f"pure Judge {m['diff/hybrid_judge_mean']:+.3f}" in block
 
     # simulated-oracle mode (smoke: budgets 4, 16, 64 over pools of 16): no arm spends more
     # than its budget, GenSelect stops at n_p - 1 games, and the table reaches the README
