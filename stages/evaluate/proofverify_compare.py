@@ -255,15 +255,6 @@ def oracle_table(o: dict[str, Any]) -> list[str]:
         calls = o[f"{arm}/B{b}/calls_mean"]
         return f"{mean:.3f} ± {std:.3f} ({calls:.0f})"
 
-    def diff(rule: str) -> str:
-        k = f"diff/hybrid_{rule}"
-        if f"{k}_mean" not in m:
-            return "–"
-        return f"{m[f'{k}_mean']:+.3f} [{m[f'{k}_ci_low']:+.3f}, {m[f'{k}_ci_high']:+.3f}]"
-
-    def yes(flag: Any) -> str:
-        return "–" if flag is None else ("yes" if flag else "no")
-
     names = {"judge": "pure Judge", "genselect": "pure GenSelect", "hybrid": "Hybrid",
              "majority": "majority vote", "random": "random pick"}
     match = o.get("hybrid_matches_judge_at", math.nan)
