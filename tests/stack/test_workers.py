@@ -56,6 +56,12 @@ if name == "partial":  # what a stage killed halfway leaves in its workspace
     Path(out).write_text("PARTIAL-OUTPUT\\n")
     if timing:
         Path(timing, f"partial.started.{worker}").write_text(str(os.getpid()))
+if timing and name in ("a", "b"):  # on workers the two branches meet: each waits for the other
+    Path(timing, f"{name}.begun").write_text(worker)
+    other = Path(timing, {"a": "b", "b": "a"}[name] + ".begun")
+    deadline = time.time() + 60
+    while not other.exists() and time.time() < deadline:
+        time.sleep(0.1)
 time.sleep(float(params["sleep"]))
 h = hashlib.sha256(f"{name}:{params.get(name)}".encode())
 for d in deps:
@@ -227,13 +233,14 @@ def test_workers_run_branches_in_parallel_and_route_gpu_stages(work: Path, clust
     spans = {n: _spans(timing, n) for n in stages}
     assert all(len(v) == 1 for v in spans.values()), spans
     assert {spans[g][0]["worker"] for g in ("g_1", "g_2")} == {"gpu-1"}
-    assert {spans[c][0]["worker"] for c in ("a", "b")} == {"cpu-1", "cpu-2"}  # one each
+    # one each: `a` and `b` wait for each other (up to 60 s) and a worker runs one flow at a time
+    # (`--limit 1`), so this fails only if the second CPU worker never took the other branch
+    assert {spans[c][0]["worker"] for c in ("a", "b")} == {"cpu-1", "cpu-2"}
     assert {summary[g]["pool"] for g in ("g_1", "g_2")} == {"paperline-gpu"}
     assert {summary[c]["pool"] for c in ("a", "b")} == {"paperline-cpu"}
     # the two CPU branches ran at the same time, in separate clones
     win = {n: _window(n) for n in stages}
-    # Overlap of a and b depends on when the second worker polls (Prefect's poll interval is
-    # longer than these ~5 s stages), so it is not asserted; one stage on each worker is.
+    assert max(win["a"][0], win["b"][0]) < min(win["a"][1], win["b"][1]), win
     # CPU stages did not wait behind the GPU queue: one GPU worker runs g_1, g_2 one after the
     # other, and a CPU stage started before the second GPU stage did (not both: the second CPU
     # worker's first poll can come late, which once put `a` 0.8 s after `g_2` in CI)
