@@ -94,8 +94,33 @@ def build_context(root: Path, pipeline: str, stage: str) -> tuple[Context, dict[
     return ctx, params, source
 
 
+def check_device_env(environ: Any = os.environ) -> None:
+    """$PAPERLINE_DEVICE, when set, names a device torch has here (`cpu`, `cuda`, `cuda:1`, ...);
+    checked with the params, so a typo fails before any compute rather than inside torch."""
+    value = environ.get("PAPERLINE_DEVICE", "").strip()
+    if not value:
+        return
+    import torch
+
+    try:
+        device = torch.device(value)
+    except (RuntimeError, ValueError) as exc:
+        raise ParamsError(f"$PAPERLINE_DEVICE = {value!r} is not a torch device ({exc}); "
+                          "use cpu, cuda or cuda:<index>, or unset it") from None
+    if device.type == "cuda":
+        n = torch.cuda.device_count()
+        if n == 0:
+            raise ParamsError(f"$PAPERLINE_DEVICE = {value!r}, but torch sees no CUDA GPU here; "
+                              "unset it or use cpu")
+        if device.index is not None and device.index >= n:
+            raise ParamsError(f"$PAPERLINE_DEVICE = {value!r}, but torch sees {n} GPU(s) here "
+                              f"(cuda:0 to cuda:{n - 1})")
+
+
 def validate_pipeline(pipeline: str, params: dict[str, Any], profile: str, source: str) -> dict:
-    """Validate every stage's section of the pipeline; returns stage -> config."""
+    """Validate every stage's section of the pipeline (and $PAPERLINE_DEVICE); returns stage ->
+    config."""
+    check_device_env()
     configs = {}
     errors = []
     for name in stage_modules(pipeline):

@@ -117,3 +117,24 @@ def test_killed_writer_leaves_no_output(tmp_path: Path):
     assert not target.exists()
     assert io.clean_stale_tmp(tmp_path) == 1
     assert list(tmp_path.iterdir()) == []
+
+
+def test_bad_device_env_is_named_before_compute(monkeypatch):
+    import torch
+
+    from stages.core.runner import check_device_env
+
+    check_device_env({})  # unset: the default placement
+    check_device_env({"PAPERLINE_DEVICE": "cpu"})
+    with pytest.raises(ParamsError, match=r"\$PAPERLINE_DEVICE = 'gpu' is not a torch device"):
+        check_device_env({"PAPERLINE_DEVICE": "gpu"})
+    n = torch.cuda.device_count()
+    with pytest.raises(ParamsError, match=r"\$PAPERLINE_DEVICE = 'cuda:\d+', but torch sees"):
+        check_device_env({"PAPERLINE_DEVICE": f"cuda:{n}"})  # one past the last GPU, or none
+    # through the stage entry point, which every dvc.yaml cmd calls: exit 2, no traceback
+    monkeypatch.setenv("PAPERLINE_DEVICE", "gpu")
+    proc = subprocess.run([sys.executable, "-m", "stages", "base", "tasks", "--check"],
+                          capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 2, proc.stderr
+    assert "$PAPERLINE_DEVICE = 'gpu'" in proc.stderr and "Traceback" not in proc.stderr
