@@ -50,12 +50,15 @@ def _dvcfile(root: Path, pipeline: str) -> str:
     return str((pipeline_dir(root, pipeline) / "dvc.yaml").relative_to(root))
 
 
-def _check(root: Path, pipeline: str) -> None:
+def _check(root: Path, pipeline: str, *, device: bool = True) -> None:
+    """Every stage's params; `device`: also $PAPERLINE_DEVICE, which only matters where the
+    stages run (not for a `--distributed` controller: workers keep their own environment)."""
     from stages.core.config import active_profile, read_yaml
     from stages.core.runner import build_context, validate_pipeline
 
     ctx, params, source = build_context(root, pipeline, "check")
-    validate_pipeline(pipeline, params, active_profile(read_yaml(root / "params.yaml")), source)
+    validate_pipeline(pipeline, params, active_profile(read_yaml(root / "params.yaml")), source,
+                      check_device=device)
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -146,7 +149,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     root = _root()
     pipeline = _pipelines(root, args.pipeline, False)[0]
-    _check(root, pipeline)
+    _check(root, pipeline, device=not args.distributed)
     if args.distributed:
         from flows.distributed import run_distributed
 

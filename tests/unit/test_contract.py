@@ -138,3 +138,9 @@ def test_bad_device_env_is_named_before_compute(monkeypatch):
                           cwd=Path(__file__).resolve().parents[2])
     assert proc.returncode == 2, proc.stderr
     assert "$PAPERLINE_DEVICE = 'gpu'" in proc.stderr and "Traceback" not in proc.stderr
+    # a `--distributed` controller skips it: the stages run in the workers' own environment
+    from stages.core.runner import validate_pipeline
+
+    with pytest.raises(ParamsError, match="PAPERLINE_DEVICE"):
+        validate_pipeline("base", {}, "smoke", "params.yaml")
+    assert validate_pipeline("base", {}, "smoke", "params.yaml", check_device=False)
