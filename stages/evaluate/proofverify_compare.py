@@ -136,6 +136,19 @@ def selector_metrics(games: pl.DataFrame, cands: pl.DataFrame, arm: str) -> dict
                                   if decided.height else math.nan)}
 
 
+def check_same_cover(sels: dict[str, pl.DataFrame]) -> None:
+    """The arms are compared paired, so each must have selected on the same (seed, problem)
+    pairs as the first; otherwise a clear error (not a null in the paired table)."""
+    (first, ref), *rest = [(a, set(s.select("seed", "problem_id").iter_rows()))
+                           for a, s in sels.items()]
+    for arm, cover in rest:
+        if cover != ref:
+            raise ValueError(
+                f"compare: {arm}/selections.parquet covers {len(cover)} (seed, problem) pairs, "
+                f"{first}'s {len(ref)}, {len(cover ^ ref)} not in both; rerun "
+                f"{', '.join(sels)} with the same seeds and max_problems")
+
+
 def run(cfg: Config, ctx: Any) -> dict[str, float]:
     from stages.core.checks import read_parquet_checked
     from stages.verify.proofverify_candidates import expectations
@@ -143,6 +156,7 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     cands = read_parquet_checked(ctx.path(cfg.candidates) / "test.parquet", expectations("test"))
     sels = [pl.read_parquet(ctx.path(getattr(cfg, a)) / "selections.parquet")
             for a in ("judge", "genselect", "hybrid")]
+    check_same_cover(dict(zip(("judge", "genselect", "hybrid"), sels)))
     seeds = sorted(set(sels[0]["seed"].to_list()))
     used = set(sels[0]["problem_id"].to_list())
     cands = cands.filter(pl.col("problem_id").is_in(list(used)))

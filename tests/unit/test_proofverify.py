@@ -267,6 +267,17 @@ def test_paired_vs_hybrid_pairs_problems_and_averages_seeds():
     assert m["diff/hybrid_genselect_mean"] == 0.0 and m["diff/hybrid_genselect_ci_low"] == 0.0
 
 
+def test_compare_refuses_arms_on_different_problems():
+    def sel(*pairs):
+        return pl.DataFrame(list(pairs), schema=["seed", "problem_id"], orient="row")
+
+    same = {"judge": sel((0, "p"), (0, "q")), "genselect": sel((0, "q"), (0, "p"))}
+    cmp.check_same_cover(same)
+    with pytest.raises(ValueError, match=r"hybrid/selections.parquet covers 1 .* judge's 2, 1 "
+                                         r"not in both"):
+        cmp.check_same_cover({**same, "hybrid": sel((0, "p"))})
+
+
 def _cands() -> pl.DataFrame:
     return pl.DataFrame({
         "candidate_id": ["p-0", "p-1", "p-2", "q-0", "q-1", "q-2"],
