@@ -185,3 +185,17 @@ def test_summarize_violations_at_the_budget_boundary_and_the_claims():
     assert m["claim_erm_overspends_under_shift"] == 1.0
     assert m["claim_racer_within_budget_under_shift"] == 1.0
     assert m["claim_racer_acc_ge_erm_under_shift"] == 0.0      # 0.61 < 0.70
+
+
+def test_solver_check_bound_is_thm42_rate_for_lambda():
+    # ERM (no tilt: K = 1), cost gaps up to M = 1, beta = 0.5: Thm 4.2's KL bound decays as
+    # q^(2t) with q = M^2K^2 / (M^2K^2 + 2 beta^2) = 1 / 1.5, so |lambda_t - lambda*| as q^t
+    from stages.verify import racer_solver
+
+    r = np.array([[0.0, 1.0], [1.0, 1.0], [0.0, 1.0], [1.0, 0.0]])
+    c = np.array([[0.1, 1.0], [0.1, 0.6], [0.0, 1.0], [0.1, 0.5]])  # M = 1 (row 3)
+    got = racer_solver.check_instance(r, c, 0.4, beta=0.5, tau_r=None, tau_c=None, iters=200)
+    assert got["rate_bound"] == pytest.approx(2 / 3)
+    assert got["objective_gap"] >= 0 and got["max_abs_dp"] < 1e-3
+    with pytest.raises(ValueError, match="greater than 0"):
+        racer_solver.Config(betas=[0.0, 0.1])
