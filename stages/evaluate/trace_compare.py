@@ -57,6 +57,8 @@ def claims(metrics: dict[str, dict[str, Any]], rl_arms: list[str]) -> dict[str, 
     for b in ("neg_ppl", "length"):
         d_low = c.get(f"diff_ci_low/{b}", math.nan)
         out[f"claim_trace_beats_{b}"] = float(not math.isnan(d_low) and d_low > 0)
+    d_low = c.get("diff_ci_low/neg_ppl_vs_length", math.nan)   # the spec's r(PPL) > r(length)
+    out["claim_ppl_beats_length"] = float(not math.isnan(d_low) and d_low > 0)
     out["claim_trace_beats_baselines"] = float(
         not math.isnan(low) and low > 0
         and out["claim_trace_beats_neg_ppl"] == 1.0 and out["claim_trace_beats_length"] == 1.0)
@@ -145,6 +147,13 @@ def results_table(metrics: dict[str, dict[str, Any]]) -> str:
                          f"[{_f(cor.get(f'diff_ci_low/{b}'), '+.2f')}, "
                          f"{_f(cor.get(f'diff_ci_high/{b}'), '+.2f')}]: "
                          f"{'higher' if cm.get(f'claim_trace_beats_{b}') else 'not shown higher'}.")
+        if "diff_ci_low/neg_ppl_vs_length" in cor:
+            diff = cor.get("pearson/neg_ppl", math.nan) - cor.get("pearson/length", math.nan)
+            lines.append(f"- the spec's next step, −perplexity vs length: r − r = "
+                         f"{_f(diff, '+.2f')}, paired 95% CI "
+                         f"[{_f(cor.get('diff_ci_low/neg_ppl_vs_length'), '+.2f')}, "
+                         f"{_f(cor.get('diff_ci_high/neg_ppl_vs_length'), '+.2f')}]: "
+                         f"{'higher' if cm.get('claim_ppl_beats_length') else 'not shown higher'}.")
         if "claim_trace_reward_ge_acc" in cm:
             lines.append(f"Claim 'accuracy + TRACE reward beats accuracy-only': "
                          f"{'reproduced' if cm['claim_trace_reward_ge_acc'] else 'not reproduced'}"

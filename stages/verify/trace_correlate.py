@@ -29,6 +29,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from stages.core import io
 
 SCORES = ("trace", "neg_ppl", "length")
+SAMPLE_COLUMNS = {"condition", "id", "sample", "mix", "steps", "temperature", "correct", "nll",
+                  "trace", "length"}                    # what stage `score` writes and this reads
 
 
 class Config(BaseModel):
@@ -111,25 +113,30 @@ def per_condition(samples: pl.DataFrame) -> pl.DataFrame:
             .sort("condition"))
 
 
-def best_of_n(samples: pl.DataFrame, seed: int = 0) -> dict[str, float]:
-    """Accuracy when each prompt's samples are reranked by TRACE / at random / by length."""
-    rng = random.Random(seed)
-    got = {"trace": [], "random": [], "length": [], "oracle": []}
+def best_of_n(samples: pl.DataFrame) -> dict[str, float]:
+    """Accuracy when each prompt's samples are reranked by TRACE / by length, against a random
+    pick (its expectation: the share of the prompt's samples that are right) and the oracle."""
+    got: dict[str, list[float]] = {"trace": [], "random": [], "length": [], "oracle": []}
     for _, g in samples.group_by(["condition", "id"], maintain_order=True):
         rows = g.to_dicts()
         if len(rows) < 2:
             continue
         got["trace"].append(max(rows, key=lambda r: (r["trace"], -r["sample"]))["correct"])
         got["length"].append(max(rows, key=lambda r: (r["length"], -r["sample"]))["correct"])
-        got["random"].append(rng.choice(rows)["correct"])
+        got["random"].append(sum(r["correct"] for r in rows) / len(rows))
         got["oracle"].append(any(r["correct"] for r in rows))
     return {f"bon_{k}": sum(v) / len(v) for k, v in got.items() if v}
 
 
 def run(cfg: Config, ctx: Any) -> dict[str, float]:
-    samples = pl.read_parquet(ctx.path(cfg.scores) / "samples.parquet")
+    path = ctx.path(cfg.scores) / "samples.parquet"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: missing; run stage `score` first")
+    samples = pl.read_parquet(path)
+    if missing := SAMPLE_COLUMNS - set(samples.columns):
+        raise ValueError(f"{path}: columns {sorted(missing)} missing (written by stage `score`)")
     if samples.is_empty():
-        raise ValueError(f"{cfg.scores}/samples.parquet: no samples")
+        raise ValueError(f"{path}: no samples")
     cond = per_condition(samples)
     acc = cond["acc"].to_list()
     m: dict[str, float] = {"conditions": float(cond.height)}
@@ -146,7 +153,11 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
         for s in SCORES[1:]:
             m[f"diff_ci_low/{s}"], m[f"diff_ci_high/{s}"] = bootstrap_diff_ci(
                 cond["trace"].to_list(), cond[s].to_list(), acc, cfg.bootstrap, ctx.seed)
-    m |= best_of_n(samples, ctx.seed)
+        # the spec's predicted order continues r(PPL) > r(length): the same paired test
+        m["diff_ci_low/neg_ppl_vs_length"], m["diff_ci_high/neg_ppl_vs_length"] = \
+            bootstrap_diff_ci(cond["neg_ppl"].to_list(), cond["length"].to_list(), acc,
+                              cfg.bootstrap, ctx.seed)
+    m |= best_of_n(samples)
     for r in cond.iter_rows(named=True):
         m[f"{r['condition']}/acc"] = r["acc"]
         m[f"{r['condition']}/trace"] = r["trace"]

@@ -138,6 +138,7 @@ def test_correlation_helpers_by_hand():
         "correct": [True, False, False, True]})
     bon = best_of_n(samples)
     assert bon["bon_trace"] == 1.0 and bon["bon_length"] == 0.0 and bon["bon_oracle"] == 1.0
+    assert bon["bon_random"] == 0.5  # the expectation: half of each prompt's samples are right
 
 
 def test_paired_bootstrap_of_the_r_difference():
