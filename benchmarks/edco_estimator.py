@@ -59,7 +59,7 @@ def main() -> None:
 
     from stages.models.base import set_threads
     from stages.models.generate import load_model
-    from stages.select import edco
+    from stages.edco import edco
 
     threads = set_threads(args.threads)
     model_dir = Path(args.model)

@@ -50,8 +50,8 @@ def main() -> None:
     import torch
 
     from stages.models.backend import LocalHFBackend
-    from stages.verify import proofverify as pv
-    from stages.verify.proofverify_select import Config, judge_votes, run_knockouts, \
+    from stages.proofverify import proofverify as pv
+    from stages.proofverify.select import Config, judge_votes, run_knockouts, \
         scores_from_votes
 
     cands_path = P / "data/candidates/test.parquet"

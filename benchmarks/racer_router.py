@@ -43,7 +43,7 @@ def main() -> None:
     from stages.core.config import validate_section
     from stages.core.runner import load_params
     from stages.models.base import set_threads
-    from stages.verify import racer
+    from stages.racer import racer
 
     pdir = ROOT / "pipelines/racer"
     fdir, odir = pdir / "data/features", pdir / "data/outcomes"

@@ -21,7 +21,7 @@ from transformers import set_seed
 from stages.models import base
 from stages.models.generate import load_model, generate
 from stages.tasks import arith
-from stages.verify.trace_policy import mix_rows
+from stages.trace.policy import mix_rows
 
 lr = float(sys.argv[1]); mix = float(sys.argv[2]); ckpts = [int(x) for x in sys.argv[3].split(",")]
 bs = int(sys.argv[4]) if len(sys.argv) > 4 else 16

@@ -114,3 +114,13 @@ def clean_stale_tmp(directory: str | os.PathLike[str], name: str | None = None) 
             _remove(p)
             removed += 1
     return removed
+
+
+def save_model(model: Any, tokenizer: Any, path: str | os.PathLike[str]) -> Path:
+    """Save a Hugging Face model and its tokenizer as one `save_pretrained` folder (safetensors),
+    atomically: a killed stage leaves the previous folder or none, never weights without config."""
+    with atomic_path(path, is_dir=True) as tmp:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+    return Path(path)

@@ -348,9 +348,7 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.bos_token_id = tokenizer.bos_token_id
     out = ctx.path("base_model")
-    with io.atomic_path(out, is_dir=True) as tmp:
-        model.save_pretrained(str(tmp), safe_serialization=True)
-        tokenizer.save_pretrained(str(tmp))
+    io.save_model(model, tokenizer, out)
     metrics["n_params"] = float(n_params)
     metrics["train_rows"] = float(len(rows))
     if ctx.tracker is not None:

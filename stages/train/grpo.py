@@ -13,7 +13,7 @@ This module subclasses TRL (never forks it), so the same code runs under acceler
 vLLM on GPU workers. What it adds:
 
 - `policy_loss: clip` is TRL's own loss, untouched (the baseline); `policy_loss: r2vpo` replaces it
-  by the ratio-variance Lagrangian of `stages.train.r2vpo` with its dual multiplier.
+  by the ratio-variance Lagrangian of `stages.r2vpo.r2vpo` with its dual multiplier.
 - `replay_batches: K` reuses the completions of the previous K generation rounds, each with the
   log-probs of the policy that sampled it (mu), next to the fresh ones: stale data that clipping
   ignores and R²VPO down-weights. Rollouts *consumed* (fresh completions) are counted either way.
@@ -81,7 +81,7 @@ class GRPOParams(BaseModel):
     r2vpo: R2VPOParams = Field(default_factory=R2VPOParams)
     bonus: Literal["none", "indiv", "length"] = Field(
         "none", description="extra reward on correct responses: indiv = H-GRPO's w * z_G(InDiv) "
-                            "(stages.train.hsir); length = -w * z_G(length), the length-penalty "
+                            "(stages.hsir.hsir); length = -w * z_G(length), the length-penalty "
                             "baseline")
     bonus_weight: float = Field(0.2, ge=0, le=10, description="w of the bonus (H-GRPO: 0.2)")
     indiv_method: Literal["eigenscore", "spectral_entropy"] = Field(
@@ -145,7 +145,7 @@ def bonus_reward(kind: str, weight: float, group_size: int, family: str, model: 
       length  the length-penalty baseline: -w * z_G(completion length) on correct responses.
     """
     from stages.tasks import get_family
-    from stages.train import hsir
+    from stages.hsir import hsir
 
     fam = get_family(family)
 
@@ -211,7 +211,7 @@ def concat_rollouts(batches: list[dict[str, Any]]) -> dict[str, Any]:
 def _trainer_class() -> type:
     from trl import GRPOTrainer
 
-    from stages.train.r2vpo import (
+    from stages.r2vpo.r2vpo import (
         DualState,
         clip_fraction,
         masked_mean,

@@ -8,7 +8,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from stages.verify import trace
+from stages.trace import trace
 from tests.conftest import dvc, paperline
 from tests.pipelines.test_base_pipeline import mlflow_client
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from stages.evaluate import bis_compare as bc
+from stages.bis import compare as bc
 from stages.models import base
 from stages.models.mc_annotate import label_noise, mc_score, step_prefixes
 from stages.models.tokenizer import build_tokenizer
-from stages.select import bis
+from stages.bis import bis
 from stages.tasks import arith
 from stages.train import prm
 

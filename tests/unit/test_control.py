@@ -10,8 +10,8 @@ import torch
 from stable_baselines3 import PPO
 
 from stages.core.context import Context
-from stages.train import control
-from stages.train.control import (
+from stages.r2vpo import control
+from stages.r2vpo.control import (
     R2VPO,
     Config,
     PPOWithStats,

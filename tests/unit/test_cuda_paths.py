@@ -73,8 +73,8 @@ def test_generation_and_the_local_backend_match_the_cpu(folder, monkeypatch):
 
 
 def test_hand_written_forward_passes_give_the_cpu_numbers(folder, monkeypatch):
-    from stages.select.edco import target_nll
-    from stages.verify.trace_score import sequence_nll
+    from stages.edco.edco import target_nll
+    from stages.trace.score import sequence_nll
 
     targets = [ANSWER, " 3", ANSWER + "!", " 29", ANSWER]
 
@@ -90,7 +90,7 @@ def test_hand_written_forward_passes_give_the_cpu_numbers(folder, monkeypatch):
 
 
 def test_router_features_from_hidden_states_match_the_cpu(folder, monkeypatch):
-    from stages.verify.racer_features import hidden_embed
+    from stages.racer.features import hidden_embed
 
     cpu, gpu = both(monkeypatch, lambda: hidden_embed(PROMPTS, folder, batch_size=2))
     assert gpu.shape == cpu.shape == (len(PROMPTS), 32)

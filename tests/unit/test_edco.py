@@ -11,13 +11,14 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from stages.evaluate import edco_compare as ec
+from stages.edco import compare as ec
 from stages.models import base
 from stages.models.tokenizer import build_tokenizer
-from stages.select import edco
+from stages.edco import edco
 from stages.tasks import arith
-from stages.select.edco_pool import add_noise, corrupt
-from stages.train import edco_rl, edco_sft
+from stages.edco.pool import add_noise, corrupt
+from stages.edco import rl as edco_rl
+from stages.edco import sft as edco_sft
 
 torch.set_num_threads(1)
 
@@ -136,7 +137,7 @@ def test_noisy_rows_have_a_wrong_but_self_consistent_target():
 
 def test_an_empty_or_flagless_pool_file_is_refused_at_the_boundary(tmp_path):
     from stages.core.checks import DataValidationError
-    from stages.select.edco_pool import EXTRA_SCHEMA, read_pool
+    from stages.edco.pool import EXTRA_SCHEMA, read_pool
 
     schema = {**arith.SCHEMA, **EXTRA_SCHEMA}
     pl.DataFrame(schema=schema).write_parquet(tmp_path / "pool.parquet")

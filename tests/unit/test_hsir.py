@@ -10,7 +10,7 @@ import torch
 
 from stages.models.tokenizer import build_tokenizer
 from stages.tasks import arith
-from stages.train import hsir
+from stages.hsir import hsir
 
 torch.set_num_threads(1)
 

@@ -10,12 +10,12 @@ import polars as pl
 import pytest
 from pydantic import ValidationError
 
-from stages.evaluate import proofverify_compare as cmp
-from stages.verify import proofverify as pv
-from stages.verify import proofverify_candidates as cand
-from stages.verify import proofverify_oracle as oracle
-from stages.verify import proofverify_select as sel
-from stages.verify import proofverify_train as train
+from stages.proofverify import compare as cmp
+from stages.proofverify import proofverify as pv
+from stages.proofverify import candidates as cand
+from stages.proofverify import oracle
+from stages.proofverify import select as sel
+from stages.proofverify import train_judge as train
 
 # --- output contracts -------------------------------------------------------------------------
 

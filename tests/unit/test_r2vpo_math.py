@@ -1,4 +1,4 @@
-"""The pure R²VPO functions of stages/train/r2vpo.py on hand-computed values (spec §2)."""
+"""The pure R²VPO functions of stages/r2vpo/r2vpo.py on hand-computed values (spec §2)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from stages.train.r2vpo import (
+from stages.r2vpo.r2vpo import (
     LOG_RATIO_CLAMP,
     DualState,
     clip_fraction,

@@ -7,11 +7,11 @@ import math
 import numpy as np
 import pytest
 
-from stages.evaluate.racer_compare import random_share, threshold_at_budget
-from stages.verify import racer
-from stages.verify.racer_judges import (direct_target, judge_prompt, mix_counts,
+from stages.racer.compare import random_share, threshold_at_budget
+from stages.racer import racer
+from stages.racer.judges import (direct_target, judge_prompt, mix_counts,
                                         parse_verdict, reasoning_target, stated_value)
-from stages.verify.racer_outcomes import score
+from stages.racer.outcomes import score
 
 E = math.e
 
@@ -170,7 +170,7 @@ def test_summarize_violations_at_the_budget_boundary_and_the_claims():
     """Hand-made evaluation rows: cost exactly C is within budget, C + 1e-6 is over."""
     import polars as pl
 
-    from stages.evaluate.racer_compare import summarize
+    from stages.racer.compare import summarize
 
     rows = []
     for seed, (erm_cost, racer_cost) in enumerate([(1.5, 1.5), (1.5 + 1e-6, 1.4)]):
@@ -190,7 +190,7 @@ def test_summarize_violations_at_the_budget_boundary_and_the_claims():
 def test_solver_check_bound_is_thm42_rate_for_lambda():
     # ERM (no tilt: K = 1), cost gaps up to M = 1, beta = 0.5: Thm 4.2's KL bound decays as
     # q^(2t) with q = M^2K^2 / (M^2K^2 + 2 beta^2) = 1 / 1.5, so |lambda_t - lambda*| as q^t
-    from stages.verify import racer_solver
+    from stages.racer import solver_check as racer_solver
 
     r = np.array([[0.0, 1.0], [1.0, 1.0], [0.0, 1.0], [1.0, 0.0]])
     c = np.array([[0.1, 1.0], [0.1, 0.6], [0.0, 1.0], [0.1, 0.5]])  # M = 1 (row 3)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from stages.evaluate.rl_compare import (
+from stages.r2vpo.compare import (
     Config,
     auc,
     check_budgets,

@@ -10,12 +10,12 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from stages.evaluate import hsir_compare as hc
+from stages.hsir import compare as hc
 from stages.models import base
 from stages.models.tokenizer import build_tokenizer
 from stages.tasks import arith
-from stages.train import hsir
-from stages.train import self_improve as si
+from stages.hsir import hsir
+from stages.hsir import self_improve as si
 
 torch.set_num_threads(1)
 

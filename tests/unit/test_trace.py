@@ -10,9 +10,9 @@ import pytest
 from pydantic import ValidationError
 
 from stages.tasks import arith, toulmin
-from stages.verify import trace
-from stages.evaluate.trace_compare import claims
-from stages.verify.trace_correlate import (best_of_n, bootstrap_diff_ci, pearson, ranks,
+from stages.trace import trace
+from stages.trace.compare import claims
+from stages.trace.correlate import (best_of_n, bootstrap_diff_ci, pearson, ranks,
                                           spearman)
 
 T = trace.Tables()  # the spec's default tables, alpha = 0.7

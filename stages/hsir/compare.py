@@ -1,0 +1,389 @@
+"""Stage `compare` of HSIR: the self-improvement arms and the RL arms side by side.
+
+Self-training arms (`stages.hsir.self_improve`, `<runs>/<arm>/curve.parquet`, one row per seed
+and round): final-round greedy accuracy on held-out prompts of the training distribution and on
+the hard split, generated tokens per solved query (mean ± population std over seeds), each
+relative to STaR as (a - b) / b (paper: up to +10.9% accuracy, up to -42.4% inference overhead);
+the training pool's share of hard queries (spec: VeriExit raises it), its mean re-verification
+steps, and the share of VeriExit rows that are the true derivation (`faithful_rate`).
+
+RL arms (`stages.train.grpo`: GRPO, H-GRPO, GRPO + length penalty): their saved curve has no
+hard split and no tokens per solved query, so each seed's final policy is evaluated here with
+the same greedy pass as the self-training arms, then compared with plain GRPO.
+
+InDiv validation (spec §4): seed-format traces (concise + 2-4 injected re-verification steps) of
+held-out prompts are scored with each InDiv formula under the seed model; Spearman(InDiv,
+injected repetition count) should be strongly negative. The eigenscore also falls with the
+number of steps, so the within-difficulty correlation (same number of derivation steps) is
+reported too.
+
+Refuses arms whose budgets differ (self-training: rounds, K, SFT steps per round, batch size,
+...; RL: `GRPOParams.budget`), naming the arm and the key.
+Outputs: report/ (table.md, rounds.png, indiv.png), plots/rounds.csv, flat metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Literal, Sequence
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from stages.core import io
+
+SELF_BUDGET_KEYS = ("rounds", "samples_per_query", "sft_steps_per_round", "batch_size",
+                    "max_new_tokens", "temperature", "lr", "train_queries")
+
+
+class Config(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    arms: list[str] = Field(min_length=1, description="self-training stages (<runs>/<arm>)")
+    baseline: str = Field("star", description="self-training arm the changes are relative to")
+    rl_arms: list[str] = Field(default_factory=list, description="GRPO stages (<runs>/<arm>)")
+    rl_baseline: str | None = Field("grpo", description="RL arm the RL changes are relative to")
+    family: Literal["arith"] = Field("arith", description="task family of the prompts")
+    runs: str = Field("runs", description="paths key of the runs folder")
+    prompts: str = Field("hsir_prompts", description="paths key of the training prompts")
+    hard_prompts: str = Field("hard_prompts", description="paths key of the hard split")
+    seed_model: str = Field("seed_model", description="paths key of the seed model (InDiv "
+                                                      "validation)")
+    report: str = Field("report", description="paths key of the report folder")
+    plot: str = Field("plots/rounds.csv", description="plot CSV, relative to the pipeline folder")
+    eval_rows: int | None = Field(200, ge=1, description="held-out prompts per split for the RL "
+                                                         "arms (match the self-training arms)")
+    max_new_tokens: int = Field(128, ge=1, le=32768, description="generation budget, tokens")
+    eval_batch_size: int = Field(256, ge=1, le=65536, description="sequences decoded together")
+    indiv_rows: int = Field(200, ge=2, description="seed-format traces scored for validation")
+    indiv_layer: int | Literal["middle"] = Field(-1, description="hidden layer InDiv reads")
+    num_threads: int = Field(0, ge=0, le=512, description="torch CPU threads (0: all cores)")
+
+    @field_validator("arms", "rl_arms")
+    @classmethod
+    def _unique(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError(f"arms {value} list an arm twice")
+        return value
+
+    @model_validator(mode="after")
+    def _baselines(self) -> "Config":
+        if self.baseline not in self.arms:
+            raise ValueError(f"baseline {self.baseline!r} is not one of the arms {self.arms}")
+        if self.rl_arms and self.rl_baseline not in self.rl_arms:
+            raise ValueError(f"rl_baseline {self.rl_baseline!r} is not one of {self.rl_arms}")
+        if set(self.arms) & set(self.rl_arms):
+            raise ValueError(f"{sorted(set(self.arms) & set(self.rl_arms))} are listed as both "
+                             f"self-training and RL arms")
+        return self
+
+
+# --- pure pieces -----------------------------------------------------------------------------
+
+def ranks(values: Sequence[float]) -> list[float]:
+    """1-based ranks, ties get the mean of the ranks they span."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    out = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            out[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return out
+
+
+def spearman(x: Sequence[float], y: Sequence[float]) -> float:
+    """Spearman's rho: Pearson correlation of the (tie-averaged) ranks; NaN when either side is
+    constant or has fewer than two values. Pairs with a non-finite value are dropped."""
+    if len(x) != len(y):
+        raise ValueError(f"{len(x)} x values but {len(y)} y values")
+    pairs = [(a, b) for a, b in zip(x, y) if math.isfinite(a) and math.isfinite(b)]
+    if len(pairs) < 2:
+        return math.nan
+    rx, ry = ranks([a for a, _ in pairs]), ranks([b for _, b in pairs])
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    vx = sum((a - mx) ** 2 for a in rx)
+    vy = sum((b - my) ** 2 for b in ry)
+    return cov / math.sqrt(vx * vy) if vx > 0 and vy > 0 else math.nan
+
+
+def check_budgets(budgets: dict[str, dict[str, Any]], keys: Sequence[str]) -> None:
+    """Raise ValueError naming the arm and the key when arms were run at different budgets."""
+    first_arm, first = next(iter(budgets.items()))
+    for arm, budget in budgets.items():
+        for key in keys:
+            if budget.get(key) != first.get(key):
+                raise ValueError(f"arm {arm!r} ran with {key} = {budget.get(key)!r} but "
+                                 f"{first_arm!r} with {first.get(key)!r}: budgets must be equal "
+                                 f"(set it in the shared anchor of params.yaml)")
+
+
+def relative(a: float, b: float) -> float:
+    """(a - b) / b; NaN when b is 0 or either is NaN."""
+    return (a - b) / b if b and math.isfinite(a) and math.isfinite(b) else math.nan
+
+
+def mean_std(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and population std over the finite values (NaN, NaN when none)."""
+    finite = [v for v in values if math.isfinite(v)]
+    if not finite:
+        return math.nan, math.nan
+    mean = sum(finite) / len(finite)
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in finite) / len(finite))
+
+
+def summarize_arms(finals: dict[str, dict[str, list[float]]], baseline: str,
+                   prefix: str) -> dict[str, float]:
+    """arm -> metric -> per-seed values  ->  `<prefix>/<arm>/<metric>_mean|_std` and the change
+    vs the baseline arm `<prefix>/<arm>/<metric>_vs_<baseline>` for acc, hard_acc and
+    tokens_per_solved."""
+    out: dict[str, float] = {}
+    base = {k: mean_std(v)[0] for k, v in finals[baseline].items()}
+    for arm, values in finals.items():
+        for key, per_seed in values.items():
+            m, s = mean_std(per_seed)
+            out[f"{prefix}/{arm}/{key}_mean"], out[f"{prefix}/{arm}/{key}_std"] = m, s
+        for key in ("acc", "hard_acc", "tokens_per_solved"):
+            out[f"{prefix}/{arm}/{key}_vs_{baseline}"] = relative(mean_std(values[key])[0],
+                                                                  base[key])
+        out[f"{prefix}/{arm}/seeds"] = float(len(values["acc"]))
+        out[f"{prefix}/{arm}/order"] = float(list(finals).index(arm))  # table row order
+    return out
+
+
+def pool_summary(frame: Any) -> dict[str, float]:
+    """Training-pool statistics of one arm over every round >= 1 and seed."""
+    trained = frame.filter(frame["round"] > 0)
+    veri = float(trained["pool_veriexit_rows"].sum())
+    return {"pool_hard_share": mean_std(trained["pool_hard_share"].to_list())[0],
+            "pool_size": mean_std(trained["pool_size"].to_list())[0],
+            # the share of hard training queries that gained a correct sample in a round's pool
+            "pool_hard_coverage": (mean_std(trained["pool_hard_coverage"].to_list())[0]
+                                   if "pool_hard_coverage" in trained.columns else math.nan),
+            "pool_mean_repeats": mean_std(trained["pool_mean_repeats"].to_list())[0],
+            "veriexit_rows": veri / max(1, len(trained)),
+            "faithful_rate": (float(trained["pool_veriexit_faithful"].sum()) / veri
+                              if veri else math.nan)}
+
+
+# --- the stage -------------------------------------------------------------------------------
+
+def _load_arm(folder: Path, arm: str) -> tuple[Any, dict[str, Any]]:
+    import polars as pl
+
+    if not (folder / "curve.parquet").is_file() or not (folder / "budget.json").is_file():
+        raise FileNotFoundError(f"{folder}: no curve.parquet/budget.json; run stage {arm!r}")
+    return pl.read_parquet(folder / "curve.parquet"), json.loads((folder / "budget.json")
+                                                                .read_text())
+
+
+def _plot_rounds(mean_curve: Any, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    for ax, key, title in zip(axes, ("acc", "hard_acc", "tokens_per_solved"),
+                              ("held-out accuracy", "hard-split accuracy",
+                               "tokens per solved query")):
+        for (arm,), g in mean_curve.group_by("arm", maintain_order=True):
+            g = g.sort("round")
+            ax.plot(g["round"], g[key], marker="o", label=arm)
+        ax.set_xlabel("round")
+        ax.set_title(title)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _plot_indiv(scores: dict[str, list[float]], repeats: list[int], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(scores), figsize=(5 * len(scores), 4), squeeze=False)
+    for ax, (method, values) in zip(axes[0], scores.items()):
+        ax.scatter(repeats, values, s=8, alpha=0.5)
+        ax.set_xlabel("injected re-verification steps")
+        ax.set_ylabel(f"InDiv ({method})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def indiv_validation(model: Any, tokenizer: Any, rows: list[dict[str, Any]], seed: int,
+                     layer: Any) -> tuple[dict[str, float], dict[str, list[float]], list[int]]:
+    """Spearman(InDiv, injected repetition count) on seed-format traces of `rows`, overall and
+    averaged over difficulty levels, for every InDiv formula."""
+    from stages.hsir import hsir
+
+    traces = hsir.seed_rows(rows, 0.5, f"validation:{seed}")
+    repeats = [r["n_repeats"] for r in traces]
+    metrics: dict[str, float] = {}
+    scores: dict[str, list[float]] = {}
+    for method in hsir.INDIV_METHODS:
+        s = hsir.indiv_scores(model, tokenizer, [r["prompt"] for r in traces],
+                              [r["target"] for r in traces], layer=layer, method=method)
+        scores[method] = s
+        metrics[f"indiv/{method}/spearman_repeats"] = spearman(s, [float(n) for n in repeats])
+        within = []
+        for d in sorted({r["difficulty"] for r in traces}):
+            idx = [i for i, r in enumerate(traces) if r["difficulty"] == d]
+            within.append(spearman([s[i] for i in idx], [float(repeats[i]) for i in idx]))
+        metrics[f"indiv/{method}/spearman_repeats_within_difficulty"] = mean_std(within)[0]
+    metrics["indiv/rows"] = float(len(traces))
+    return metrics, scores, repeats
+
+
+def run(cfg: Config, ctx: Any) -> dict[str, float]:
+    import polars as pl
+
+    from stages.core.checks import read_parquet_checked
+    from stages.r2vpo import compare as rl_compare
+    from stages.models.base import set_threads
+    from stages.models.generate import load_model
+    from stages.tasks import get_family
+    from stages.hsir.self_improve import eval_splits
+
+    set_threads(cfg.num_threads)
+    runs = ctx.path(cfg.runs)
+    frames, budgets = {}, {}
+    for arm in cfg.arms:
+        frames[arm], budgets[arm] = _load_arm(runs / arm, arm)
+    check_budgets(budgets, SELF_BUDGET_KEYS)
+    metrics: dict[str, float] = {}
+    finals = {}
+    for arm, frame in frames.items():
+        last = frame.filter(pl.col("round") == frame["round"].max())
+        finals[arm] = {k: last[k].to_list() for k in ("acc", "hard_acc", "tokens_per_solved",
+                                                      "verbose_share")}
+        metrics.update({f"self/{arm}/{k}": v for k, v in pool_summary(frame).items()})
+    metrics.update(summarize_arms(finals, cfg.baseline, "self"))
+
+    expect = get_family(cfg.family).expectations
+    test = read_parquet_checked(ctx.path(cfg.prompts) / "test.parquet",
+                                expect(None, "test")).to_dicts()
+    hard = read_parquet_checked(ctx.path(cfg.hard_prompts) / "test.parquet",
+                                expect(None, "test")).to_dicts()
+    n = cfg.eval_rows
+    eval_sets = {"": test[:n] if n else test, "hard": hard[:n] if n else hard}
+    if cfg.rl_arms:
+        rl_budgets, rl_finals = {}, {}
+        for arm in cfg.rl_arms:
+            curve, rl_budgets[arm] = _load_arm(runs / arm, arm)
+            values: dict[str, list[float]] = {k: [] for k in ("acc", "hard_acc",
+                                                              "tokens_per_solved",
+                                                              "verbose_share")}
+            for seed in sorted(curve["seed"].unique().to_list()):
+                model, tokenizer = load_model(runs / arm / f"seed{seed}")
+                scores = eval_splits(model, tokenizer, eval_sets, cfg.family, cfg.max_new_tokens,
+                                     cfg.eval_batch_size)
+                for k in values:
+                    values[k].append(scores[k])
+            rl_finals[arm] = values
+        rl_compare.check_budgets(rl_budgets)
+        metrics.update(summarize_arms(rl_finals, cfg.rl_baseline, "rl"))
+
+    model, tokenizer = load_model(ctx.path(cfg.seed_model))
+    indiv, scores, repeats = indiv_validation(model, tokenizer, test[:cfg.indiv_rows], ctx.seed,
+                                              cfg.indiv_layer)
+    metrics.update(indiv)
+
+    curves = pl.concat([f.with_columns(pl.lit(a).alias("arm")) for a, f in frames.items()],
+                       how="diagonal_relaxed")
+    mean_curve = (curves.group_by(["arm", "round"], maintain_order=True)
+                  .agg(pl.col("acc").mean(), pl.col("hard_acc").mean(),
+                       pl.col("tokens_per_solved").fill_nan(None).mean())
+                  .sort(["arm", "round"]))
+    with io.atomic_path(ctx.pipeline_dir / cfg.plot) as tmp:
+        mean_curve.write_csv(tmp)
+    metrics = {k: v for k, v in metrics.items() if math.isfinite(v)}
+    with io.atomic_path(ctx.path(cfg.report), is_dir=True) as tmp:
+        _plot_rounds(mean_curve, tmp / "rounds.png")
+        _plot_indiv(scores, repeats, tmp / "indiv.png")
+        (tmp / "table.md").write_text(results_table({"compare": metrics}))
+    return metrics
+
+
+# --- README table ------------------------------------------------------------------------------
+
+def _cell(m: dict[str, Any], key: str, fmt: str = ".3f") -> str:
+    mean, std = m.get(f"{key}_mean"), m.get(f"{key}_std")
+    if mean is None:
+        return "n/a"
+    return f"{mean:{fmt}} ± {std:{fmt}}" if std is not None else f"{mean:{fmt}}"
+
+
+def _pct(value: Any) -> str:
+    return "n/a" if value is None else f"{value:+.1%}"
+
+
+def _num(value: Any, fmt: str) -> str:
+    return "n/a" if value is None else f"{value:{fmt}}"
+
+
+def _arms(m: dict[str, Any], prefix: str) -> list[str]:
+    """The arms under `prefix`, in the order `compare` listed them (metrics files sort keys)."""
+    arms = [k.split("/")[1] for k in m if k.startswith(f"{prefix}/") and k.endswith("/acc_mean")]
+    return sorted(arms, key=lambda a: m.get(f"{prefix}/{a}/order", 0.0))
+
+
+def results_table(metrics: dict[str, dict[str, Any]]) -> str:
+    """README table from the compare stage's metrics: arms as rows, nothing typed by hand."""
+    m = metrics.get("compare", {})
+    arms = _arms(m, "self")
+    if not arms:
+        return "_No results yet: run the pipeline._\n"
+    base = next((k.rsplit("_vs_", 1)[1] for k in m if k.startswith("self/")
+                 and "/acc_vs_" in k), "star")
+    lines = [f"Self-improvement (final round; mean ± std over seeds; changes vs {base}):", "",
+             "| arm | accuracy | Δ acc | hard accuracy | Δ hard | tokens / solved | Δ tokens "
+             "| pool: hard share | pool: hard queries covered | pool: re-verifications / row "
+             "| VeriExit rows faithful | seeds |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for a in arms:
+        p = f"self/{a}"
+        sub = {k[len(p) + 1:]: v for k, v in m.items() if k.startswith(p + "/")}
+        lines.append(
+            f"| {a} | {_cell(sub, 'acc')} | {_pct(sub.get(f'acc_vs_{base}'))} "
+            f"| {_cell(sub, 'hard_acc')} | {_pct(sub.get(f'hard_acc_vs_{base}'))} "
+            f"| {_cell(sub, 'tokens_per_solved', '.1f')} "
+            f"| {_pct(sub.get(f'tokens_per_solved_vs_{base}'))} "
+            f"| {_num(sub.get('pool_hard_share'), '.1%')} "
+            f"| {_num(sub.get('pool_hard_coverage'), '.1%')} "
+            f"| {_num(sub.get('pool_mean_repeats'), '.2f')} "
+            f"| {_num(sub.get('faithful_rate'), '.0%')} | {_num(sub.get('seeds'), '.0f')} |")
+    rl = _arms(m, "rl")
+    if rl:
+        rl_base = next((k.rsplit("_vs_", 1)[1] for k in m if k.startswith("rl/")
+                        and "/acc_vs_" in k), "grpo")
+        lines += ["", f"RL (final policy; changes vs {rl_base}):", "",
+                  "| arm | accuracy | Δ acc | hard accuracy | tokens / solved | Δ tokens "
+                  "| seeds |", "|---|---|---|---|---|---|---|"]
+        for a in rl:
+            p = f"rl/{a}"
+            sub = {k[len(p) + 1:]: v for k, v in m.items() if k.startswith(p + "/")}
+            lines.append(
+                f"| {a} | {_cell(sub, 'acc')} | {_pct(sub.get(f'acc_vs_{rl_base}'))} "
+                f"| {_cell(sub, 'hard_acc')} | {_cell(sub, 'tokens_per_solved', '.1f')} "
+                f"| {_pct(sub.get(f'tokens_per_solved_vs_{rl_base}'))} "
+                f"| {_num(sub.get('seeds'), '.0f')} |")
+    methods = sorted({k.split("/")[1] for k in m if k.startswith("indiv/")
+                      and k.endswith("/spearman_repeats")})
+    if methods:
+        lines += ["", "InDiv validation on seed-format traces (seed model; spec: strongly "
+                  "negative):", "", "| InDiv formula | Spearman vs injected repeats "
+                  "| within difficulty |", "|---|---|---|"]
+        for meth in methods:
+            w = m.get(f"indiv/{meth}/spearman_repeats_within_difficulty")
+            lines.append(f"| {meth} | {m[f'indiv/{meth}/spearman_repeats']:+.3f} "
+                         f"| {'n/a' if w is None else f'{w:+.3f}'} |")
+    return "\n".join(lines) + "\n"

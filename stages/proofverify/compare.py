@@ -1,0 +1,288 @@
+"""Stage `compare` of ProofVerify: every selection rule side by side, mean ± std over seeds.
+
+Per arm (judge, genselect, hybrid, and the baselines majority vote on final answers and a random
+pick): selection accuracy at proof level (the selected candidate is VALID: every step and the
+answer right) and at final-answer level, verifier calls per problem and the parse-failure rate.
+For the judge's verdicts on all test candidates (one verdict = one call; a malformed reply counts
+as not-Yes): precision / recall / F1 of the Yes class against proof validity, the Yes rate per
+flaw class (valid, flaw b: right answer through a wrong step, flaw a: wrong answer) and the
+final-answer precision on the balanced 3+/3- set (spec §2, reconstructed). For the selector: the
+share of games with one valid side that the valid side won, and the share won by position 1
+(the position bias the paper warns about). The paper's ordering is checked as measured booleans.
+
+Outputs: `report/table.md`, `plots/selection.csv` (accuracy vs calls per arm, `dvc plots`) and
+the flat metrics (`metrics/compare.json`) the README table is rendered from.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from typing import Any
+
+import polars as pl
+from pydantic import BaseModel, ConfigDict, Field
+
+from stages.core import io
+from stages.proofverify import proofverify as pv
+
+ARMS = ("judge", "genselect", "hybrid", "majority", "random")
+
+
+class Config(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    candidates: str = Field("candidates", description="paths key of the candidates folder")
+    judge: str = Field("judge_out", description="paths key of the judge stage output")
+    genselect: str = Field("genselect_out", description="paths key of the genselect output")
+    hybrid: str = Field("hybrid_out", description="paths key of the hybrid output")
+    report: str = Field("report", description="paths key of the report folder")
+    plot: str = Field("plots/selection.csv", description="plot CSV, relative to the pipeline")
+    per_side: int = Field(3, ge=1, le=64, description="balanced set: right / wrong answers kept "
+                          "per problem (spec: 3+/3-)")
+    bootstrap: int = Field(2000, ge=100, le=100_000, description="bootstrap draws of the paired "
+                           "95% CI of Hybrid minus each other rule, over problems [ours]")
+
+
+def baseline_selections(cands: pl.DataFrame, seeds: list[int]) -> pl.DataFrame:
+    """Majority vote on final answers and a random pick, per seed and problem (0 calls)."""
+    rows = []
+    for seed in seeds:
+        for k, ((pid,), g) in enumerate(cands.group_by(["problem_id"], maintain_order=True)):
+            ids = g["candidate_id"].to_list()
+            maj = pv.majority_vote(g["final_answer"].to_list(), random.Random(f"maj:{seed}:{k}"))
+            rnd = random.Random(f"rand:{seed}:{k}").randrange(len(ids))
+            for method, pick in (("majority", maj), ("random", rnd)):
+                rows.append({"method": method, "seed": seed, "problem_id": pid,
+                             "selected_id": ids[pick], "calls": 0, "parse_failures": 0})
+    return pl.DataFrame(rows)
+
+
+def arm_metrics(sel: pl.DataFrame, cands: pl.DataFrame) -> dict[str, float]:
+    """`<arm>/<metric>_mean|_std` over seeds for every method in `sel`."""
+    lab = cands.select(pl.col("candidate_id").alias("selected_id"), "valid", "answer_correct")
+    joined = sel.join(lab, on="selected_id", how="left")
+    if joined["valid"].null_count():
+        raise ValueError("a selection names a candidate that is not in candidates/test.parquet")
+    per = (joined.group_by(["method", "seed"])
+           .agg(pl.col("valid").mean().alias("proof_acc"),
+                pl.col("answer_correct").mean().alias("answer_acc"),
+                pl.col("calls").cast(pl.Float64).mean().alias("calls"),
+                (pl.col("parse_failures").sum() / pl.col("calls").sum().clip(1))
+                .alias("parse_fail_rate")))
+    m: dict[str, float] = {}
+    for method in per["method"].unique().sort().to_list():
+        p = per.filter(pl.col("method") == method)
+        for key in ("proof_acc", "answer_acc", "calls", "parse_fail_rate"):
+            m[f"{method}/{key}_mean"], m[f"{method}/{key}_std"] = pv.mean_std(p[key].to_list())
+    return m
+
+
+def paired_vs_hybrid(sel: pl.DataFrame, cands: pl.DataFrame, draws: int) -> dict[str, float]:
+    """`diff/hybrid_<rule>_{mean,ci_low,ci_high}`: Hybrid's proof-level accuracy minus each other
+    rule's, paired over problems (accuracy per problem averaged over seeds), bootstrap 95% CI."""
+    lab = cands.select(pl.col("candidate_id").alias("selected_id"), "valid")
+    acc = (sel.join(lab, on="selected_id", how="left")
+           .group_by(["method", "problem_id"])
+           .agg(pl.col("valid").cast(pl.Float64).mean().alias("acc"))
+           .pivot(on="method", index="problem_id", values="acc").sort("problem_id"))
+    m: dict[str, float] = {}
+    for rule in ARMS:
+        if rule != "hybrid":
+            mean, lo, hi = pv.paired_diff_ci(acc["hybrid"].to_list(), acc[rule].to_list(), draws)
+            m |= {f"diff/hybrid_{rule}_mean": mean, f"diff/hybrid_{rule}_ci_low": lo,
+                  f"diff/hybrid_{rule}_ci_high": hi}
+    return m
+
+
+def judge_metrics(votes: pl.DataFrame, cands: pl.DataFrame, per_side: int) -> dict[str, float]:
+    """Pointwise judge quality per seed (every verdict one prediction), mean ± std over seeds."""
+    test = cands.select("candidate_id", "valid", "answer_correct", "flaw", "problem_id")
+    idx = pv.balanced_indices(test["problem_id"].to_list(), test["answer_correct"].to_list(),
+                              per_side)
+    balanced = set(test["candidate_id"].gather(idx).to_list()) if idx else set()
+    per_seed: dict[str, list[float]] = {}
+    for (seed,), v in votes.group_by(["seed"], maintain_order=True):
+        j = v.join(test, on="candidate_id", how="left")
+        yes = j["verdict"].fill_null(False).to_list()
+        stats = pv.precision_recall_f1(yes, j["valid"].to_list())
+        for flaw, name in (("none", "yes_rate_valid"), ("b", "yes_rate_flaw_b"),
+                           ("a", "yes_rate_flaw_a")):
+            f = j.filter(pl.col("flaw") == flaw)
+            stats[name] = float(f["verdict"].fill_null(False).mean()) if f.height else math.nan
+        b = j.filter(pl.col("candidate_id").is_in(list(balanced)))
+        stats["fa_precision"] = pv.final_answer_precision(
+            b["verdict"].fill_null(False).to_list(), b["answer_correct"].to_list())
+        stats["parse_fail_rate"] = j["verdict"].null_count() / j.height
+        for k, val in stats.items():
+            per_seed.setdefault(k, []).append(val)
+    m: dict[str, float] = {"judge_eval/balanced_problems": len(idx) / (2 * per_side)}
+    for k, vals in per_seed.items():
+        m[f"judge_eval/{k}_mean"], m[f"judge_eval/{k}_std"] = pv.mean_std(vals)
+    return m
+
+
+def selector_metrics(games: pl.DataFrame, cands: pl.DataFrame, arm: str) -> dict[str, float]:
+    """Pairwise accuracy on games with exactly one valid side; share won by position 1."""
+    valid = dict(zip(cands["candidate_id"], cands["valid"]))
+    decided = games.filter(pl.col("choice").is_not_null())
+    mixed = [(w, f, s) for w, f, s in zip(games["winner_id"], games["first_id"],
+                                          games["second_id"]) if valid[f] != valid[s]]
+    return {f"{arm}/pairwise_acc": (sum(valid[w] for w, _, _ in mixed) / len(mixed)
+                                    if mixed else math.nan),
+            f"{arm}/mixed_games": float(len(mixed)),
+            f"{arm}/first_wins": (float((decided["choice"] == 0).mean())
+                                  if decided.height else math.nan)}
+
+
+def check_same_cover(sels: dict[str, pl.DataFrame]) -> None:
+    """The arms are compared paired, so each must have selected on the same (seed, problem)
+    pairs as the first; otherwise a clear error (not a null in the paired table)."""
+    (first, ref), *rest = [(a, set(s.select("seed", "problem_id").iter_rows()))
+                           for a, s in sels.items()]
+    for arm, cover in rest:
+        if cover != ref:
+            raise ValueError(
+                f"compare: {arm}/selections.parquet covers {len(cover)} (seed, problem) pairs, "
+                f"{first}'s {len(ref)}, {len(cover ^ ref)} not in both; rerun "
+                f"{', '.join(sels)} with the same seeds and max_problems")
+
+
+def run(cfg: Config, ctx: Any) -> dict[str, float]:
+    from stages.core.checks import read_parquet_checked
+    from stages.proofverify.candidates import expectations
+
+    cands = read_parquet_checked(ctx.path(cfg.candidates) / "test.parquet", expectations("test"))
+    sels = [pl.read_parquet(ctx.path(getattr(cfg, a)) / "selections.parquet")
+            for a in ("judge", "genselect", "hybrid")]
+    check_same_cover(dict(zip(("judge", "genselect", "hybrid"), sels)))
+    seeds = sorted(set(sels[0]["seed"].to_list()))
+    used = set(sels[0]["problem_id"].to_list())
+    cands = cands.filter(pl.col("problem_id").is_in(list(used)))
+    base = baseline_selections(cands, seeds)
+    cols = ["method", "seed", "problem_id", "selected_id", "calls", "parse_failures"]
+    sel = pl.concat([s.select(cols) for s in sels]
+                    + [base.select(cols).cast({"calls": pl.Int64, "parse_failures": pl.Int64})])
+    m = arm_metrics(sel, cands)
+    votes = pl.read_parquet(ctx.path(cfg.judge) / "votes.parquet")
+    m |= judge_metrics(votes, cands, cfg.per_side)
+    for arm in ("genselect", "hybrid"):
+        m |= selector_metrics(pl.read_parquet(ctx.path(getattr(cfg, arm)) / "games.parquet"),
+                              cands, arm)
+    per = cands.group_by("problem_id").agg(pl.col("valid").any(), pl.col("answer_correct").any(),
+                                           pl.col("valid").mean().alias("p1"))
+    m |= {"oracle/proof_acc": float(per["valid"].mean()),
+          "oracle/answer_acc": float(per["answer_correct"].mean()),
+          "pass_at_1/proof_acc": float(per["p1"].mean()),
+          "flaw_b_share": float((cands["flaw"] == "b").mean()),
+          "n_problems": float(per.height), "n_p": float(cands.height / per.height),
+          "seeds": float(len(seeds))}
+    # The paper's ordering "Hybrid > pure Judge, pure GenSelect": the paired CI over problems
+    # must lie above 0 (a higher mean inside the seed noise is not a reproduction).
+    m |= paired_vs_hybrid(sel, cands, cfg.bootstrap)
+    m["claim_hybrid_beats_judge"] = float(m["diff/hybrid_judge_ci_low"] > 0)
+    m["claim_hybrid_beats_genselect"] = float(m["diff/hybrid_genselect_ci_low"] > 0)
+    m["claim_hybrid_cheaper_than_judge"] = float(m["hybrid/calls_mean"] < m["judge/calls_mean"])
+    tables: dict[str, dict[str, Any]] = {"compare": m}
+    oracle_json = ctx.metrics_dir / "oracle.json"     # stage `oracle`, when it has run
+    if oracle_json.is_file():
+        tables["oracle"] = json.loads(oracle_json.read_text())
+    with io.atomic_path(ctx.path(cfg.report), is_dir=True) as tmp:
+        io.write_text(tmp / "table.md", results_table(tables))
+    plot = ctx.pipeline_dir / cfg.plot
+    plot.parent.mkdir(parents=True, exist_ok=True)
+    with io.atomic_path(plot) as tmp:
+        pl.DataFrame([{"arm": a, "calls_per_problem": m[f"{a}/calls_mean"],
+                       "proof_acc": m[f"{a}/proof_acc_mean"],
+                       "answer_acc": m[f"{a}/answer_acc_mean"]} for a in ARMS]).write_csv(tmp)
+    return m
+
+
+def results_table(metrics: dict[str, dict[str, Any]]) -> str:
+    """README tables from the compare metrics: arms as rows, nothing typed by hand."""
+    m = metrics.get("compare", {})
+    if "judge/proof_acc_mean" not in m:
+        return "_No results yet: run the pipeline._\n"
+
+    def pm(key: str, fmt: str = ".3f") -> str:
+        mean, std = m.get(f"{key}_mean", math.nan), m.get(f"{key}_std", math.nan)
+        return "–" if math.isnan(mean) else f"{mean:{fmt}} ± {std:{fmt}}"
+
+    def one(key: str, fmt: str = ".3f") -> str:
+        v = m.get(key, math.nan)
+        return "–" if isinstance(v, float) and math.isnan(v) else f"{v:{fmt}}"
+
+    def diff(rule: str) -> str:
+        k = f"diff/hybrid_{rule}"
+        if f"{k}_mean" not in m:
+            return "–"
+        return f"{m[f'{k}_mean']:+.3f} [{m[f'{k}_ci_low']:+.3f}, {m[f'{k}_ci_high']:+.3f}]"
+
+    def yes(flag: Any) -> str:
+        return "–" if flag is None else ("yes" if flag else "no")
+
+    names = {"judge": "pure Judge", "genselect": "pure GenSelect", "hybrid": "Hybrid",
+             "majority": "majority vote (final answers)", "random": "random pick"}
+    lines = [f"{m['n_problems']:.0f} held-out problems, n_p = {m['n_p']:.0f} candidates each, "
+             f"{m['seeds']:.0f} seeds (mean ± std); {m['flaw_b_share']:.1%} of the candidates "
+             "reach the right answer through a wrong step (flaw b).", "",
+             "| selection | proof-level acc | final-answer acc | verifier calls / problem | "
+             "parse failures | pairwise acc (valid vs invalid) |",
+             "|---|---|---|---|---|---|"]
+    for a in ARMS:
+        lines.append(f"| {names[a]} | {pm(f'{a}/proof_acc')} | {pm(f'{a}/answer_acc')} "
+                     f"| {pm(f'{a}/calls', '.1f')} | {pm(f'{a}/parse_fail_rate', '.3f')} "
+                     f"| {one(f'{a}/pairwise_acc')} |")
+    lines += [f"| pass@1 (expected) | {one('pass_at_1/proof_acc')} | – | – | – | – |",
+              f"| oracle (pass@n_p) | {one('oracle/proof_acc')} | {one('oracle/answer_acc')} "
+              "| – | – | – |", "",
+              "Judge verdicts on every test candidate (one verdict per call; malformed = not Yes):",
+              "", "| precision | recall | F1 | Yes on valid | Yes on flaw b | Yes on flaw a | "
+              "final-answer precision (3+/3-) | parse failures |",
+              "|---|---|---|---|---|---|---|---|",
+              "| " + " | ".join(pm(f"judge_eval/{k}") for k in (
+                  "precision", "recall", "f1", "yes_rate_valid", "yes_rate_flaw_b",
+                  "yes_rate_flaw_a", "fa_precision", "parse_fail_rate")) + " |", "",
+              f"Selector position bias: position 1 wins {one('genselect/first_wins', '.1%')} of "
+              f"parsed games (GenSelect), {one('hybrid/first_wins', '.1%')} (Hybrid).", "",
+              "Hybrid minus each rule, proof-level accuracy, paired over problems (seeds "
+              "averaged), mean [bootstrap 95% CI]: " + "; ".join(
+                  f"{names[r]} {diff(r)}" for r in ARMS if r != "hybrid") + ".", "",
+              "Claims (measured): Hybrid beats pure Judge at proof level (CI above 0): "
+              f"{yes(m.get('claim_hybrid_beats_judge'))}; Hybrid beats pure GenSelect: "
+              f"{yes(m.get('claim_hybrid_beats_genselect'))}; Hybrid spends fewer calls "
+              f"than pure Judge: {yes(m.get('claim_hybrid_cheaper_than_judge'))}."]
+    if metrics.get("oracle"):
+        lines += ["", *oracle_table(metrics["oracle"])]
+    return "\n".join(lines) + "\n"
+
+
+def oracle_table(o: dict[str, Any]) -> list[str]:
+    """The simulated-oracle budget sweep (stage `oracle`): proof-level accuracy per arm and
+    budget B, mean ± std over seeds, with the calls each arm actually spent."""
+    budgets = sorted({int(k.split("/")[1][1:]) for k in o if k.startswith("judge/B")
+                      and k.endswith("/proof_acc_mean")})
+
+    def cell(arm: str, b: int) -> str:
+        mean, std = o[f"{arm}/B{b}/proof_acc_mean"], o[f"{arm}/B{b}/proof_acc_std"]
+        calls = o[f"{arm}/B{b}/calls_mean"]
+        return f"{mean:.3f} ± {std:.3f} ({calls:.0f})"
+
+    names = {"judge": "pure Judge", "genselect": "pure GenSelect", "hybrid": "Hybrid",
+             "majority": "majority vote", "random": "random pick"}
+    match = o.get("hybrid_matches_judge_at", math.nan)
+    return [f"**Simulated-oracle mode** (spec §4; stage `oracle`): verifiers with set error rates, "
+            f"{o['n_problems']:.0f} problems, pools of n_p = {o['n_p']:.0f} drawn from each "
+            f"problem's candidates, {o['seeds']:.0f} seeds. Proof-level accuracy, mean ± std "
+            f"(calls spent per problem) at a budget of B calls; a valid candidate is in the pool "
+            f"for {o['pass_at_pool']:.1%} of problem draws (the ceiling).", "",
+            "| selection | " + " | ".join(f"B = {b}" for b in budgets) + " |",
+            "|---|" + "---|" * len(budgets),
+            *(f"| {names[a]} | " + " | ".join(cell(a, b) for b in budgets) + " |"
+              for a in names if f"{a}/B{budgets[0]}/proof_acc_mean" in o),
+            "", "Claims (measured, oracle mode): Hybrid ≥ pure Judge at every budget: "
+            f"{'yes' if o['claim_hybrid_ge_judge_every_budget'] else 'no'}; Hybrid reaches pure "
+            f"Judge's accuracy at B = {budgets[-1]} with B = "
+            f"{'never' if math.isnan(match) else f'{match:.0f}'}; Hybrid ≥ pure GenSelect at "
+            f"B = {budgets[-1]}: {'yes' if o['claim_hybrid_ge_genselect'] else 'no'}."]

@@ -1,1 +1,0 @@
-"""Data-selection methods: which training samples to keep (BIS) or train next (EDCO)."""

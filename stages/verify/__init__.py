@@ -1,1 +1,0 @@
-"""Verification methods: process-level metrics and checkers of model outputs (e.g. TRACE)."""
