@@ -184,6 +184,26 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_deps(args: argparse.Namespace) -> int:
+    from stages.core import codedeps
+
+    root = _root()
+    if args.write:
+        for path in codedeps.write(root):
+            print(f"rewrote the code deps of {path}")
+    problems = codedeps.check(root)
+    for dvcfile, stages in problems.items():
+        for stage, diff in stages.items():
+            for kind in ("missing", "extra"):
+                for path in diff[kind]:
+                    print(f"{dvcfile}:{stage}: {kind} code dep {path}")
+    if problems:
+        print("code deps differ from the imports: run `paperline deps --write`", file=sys.stderr)
+        return 1
+    print("code deps: every stage declares exactly the project modules it imports")
+    return 0
+
+
 def cmd_deploy(args: argparse.Namespace) -> int:
     from flows.deploy import deploy_all
 
@@ -317,6 +337,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="regenerate README results tables from metrics")
     p.add_argument("pipeline", nargs="?")
     p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("deps", help="check (or --write) every stage's code deps against its "
+                                     "imports")
+    p.add_argument("--write", action="store_true",
+                   help="rewrite the code entries of every dvc.yaml's deps from the imports")
+    p.set_defaults(func=cmd_deps)
 
     p = sub.add_parser("deploy", help="create a Prefect deployment per pipeline")
     p.add_argument("--work-pool", default="paperline-cpu")

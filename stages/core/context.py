@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,3 +51,19 @@ class Context:
     def log_params(self, params: dict[str, Any]) -> None:
         if self.tracker is not None:
             self.tracker.log_params(params)
+
+    def method_run(self, group: str, method: str, seed: int,
+                   params: dict[str, Any] | None = None) -> Any:
+        """A context manager yielding a run for one (method, seed) of a comparison (an MLflow
+        child run under the stage's run; `StageTracker.method_run`), with `log_metrics(metrics,
+        step)`. Without a tracker (unit tests, tracking off) it yields a run that logs nothing."""
+        if self.tracker is not None:
+            return self.tracker.method_run(group=group, method=method, seed=seed, params=params)
+        return contextlib.nullcontext(_NoRun())
+
+
+class _NoRun:
+    """The method run of an untracked stage: accepts metrics and drops them."""
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        pass
