@@ -22,6 +22,7 @@ a dependency like any other module.
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -83,6 +84,12 @@ def _module_of(root: Path, path: Path) -> str:
 
 def direct_imports(root: Path, path: Path) -> set[str]:
     """Dotted names of the project modules (`stages.*`) that the file at `path` imports."""
+    stat = path.stat()
+    return set(_direct_imports(root, path, stat.st_mtime_ns, stat.st_size))
+
+
+@functools.lru_cache(maxsize=4096)
+def _direct_imports(root: Path, path: Path, _mtime: int, _size: int) -> frozenset[str]:
     tree = ast.parse(path.read_text(), filename=str(path))
     this = _module_of(root, path)
     package = this if path.name == "__init__.py" else this.rpartition(".")[0]
@@ -104,7 +111,7 @@ def direct_imports(root: Path, path: Path) -> set[str]:
         for alias in node.names:  # `from stages.tasks import arith`: arith is a module
             if module_file(root, f"{base}.{alias.name}") is not None:
                 found.add(f"{base}.{alias.name}")
-    return found
+    return frozenset(found)
 
 
 def _with_parents(module: str) -> list[str]:
@@ -114,6 +121,12 @@ def _with_parents(module: str) -> list[str]:
 
 def _is_empty(path: Path) -> bool:
     """A file with no statement but a docstring cannot change what a stage computes."""
+    stat = path.stat()
+    return _is_empty_cached(path, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=4096)
+def _is_empty_cached(path: Path, _mtime: int, _size: int) -> bool:
     body = ast.parse(path.read_text()).body
     if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
         body = body[1:]
@@ -248,3 +261,35 @@ def write(root: Path) -> list[str]:
             dvcfile.write_text("".join(new))
             changed.append(dvcfile.relative_to(root).as_posix())
     return changed
+
+
+# --- the import rule ---------------------------------------------------------------------------
+# A paper's package (`stages/<slug>/`, one per pipeline) may import the shared packages and
+# itself, never another paper; shared packages (core, models, tasks, evaluate, the training
+# engines, and family engines added later) never import a paper. So one paper's change can only
+# rerun that paper's stages, and the next paper builds on engines, not on a neighbour's code.
+
+
+def paper_packages(root: Path) -> set[str]:
+    """Names of the paper packages: every pipeline of the registry with a `stages/<slug>/`."""
+    from stages.registry import STAGES
+
+    return {slug for slug in STAGES if slug != "base" and (root / "stages" / slug).is_dir()}
+
+
+def import_rule_violations(root: Path) -> list[str]:
+    """'<file>: imports <module> (<why>)' for every import that breaks the rule above."""
+    papers = paper_packages(root)
+    found = []
+    for path in sorted((root / "stages").rglob("*.py")):
+        rel = path.relative_to(root)
+        owner = rel.parts[1] if len(rel.parts) > 2 else None  # stages/<owner>/...
+        for mod in sorted(direct_imports(root, path)):
+            parts = mod.split(".")
+            target = parts[1] if len(parts) > 1 else None
+            if target not in papers or target == owner:
+                continue
+            why = (f"paper {owner!r} imports paper {target!r}" if owner in papers
+                   else "shared code imports a paper")
+            found.append(f"{rel.as_posix()}: imports {mod} ({why})")
+    return found
