@@ -181,6 +181,9 @@ def cmd_report(args: argparse.Namespace) -> int:
     root = _root()
     for p in _pipelines(root, args.pipeline, not args.pipeline):
         print(f"updated {update_readme(root, p).relative_to(root)}")
+    from flows.overview import update_root_readme
+
+    print(f"updated {update_root_readme(root).relative_to(root)} (pipeline table)")
     return 0
 
 

@@ -122,3 +122,28 @@ REPORTS: dict[str, str] = {
     "proofverify": "stages.proofverify.compare:results_table",
     "racer": "stages.racer.compare:results_table",
 }
+
+# The root README's pipeline table (`paperline report` renders it with the measured `cpu` wall
+# time from benchmarks/RESULTS.md and the claim verdicts from each pipeline's metrics).
+PAPERS: dict[str, dict[str, str]] = {
+    "base": {"paper": "(shared)",
+             "compares": "the tiny base model and `arith` tasks every paper builds on"},
+    "r2vpo": {"paper": "R²VPO, arXiv 2605.26784",
+              "compares": "ratio-variance policy optimisation vs clipped GRPO (LLM RL + SB3 "
+                          "control)"},
+    "hsir": {"paper": "HSIR / H-GRPO, arXiv 2605.24998",
+             "compares": "VeriExit + InDiv self-training vs STaR / ReST-EM; H-GRPO vs GRPO"},
+    "bis": {"paper": "BIS, arXiv 2602.04145",
+            "compares": "PRM data subsets by Balanced-Information Score vs random and full data"},
+    "edco": {"paper": "EDCO, arXiv 2601.03725",
+             "compares": "entropy-driven dynamic curriculum vs static and random curricula"},
+    "proofverify": {"paper": "ProofVerify, arXiv 2511.13027",
+                    "compares": "LLM-as-a-judge, GenSelect and their hybrid vs majority vote and "
+                                "a random pick"},
+    "racer": {"paper": "RACER, arXiv 2605.10805",
+              "compares": "KL-robust budgeted routing between a reasoning and a direct judge vs "
+                          "ERM, threshold, always-one, random"},
+    "trace": {"paper": "TRACE, arXiv 2605.29656",
+              "compares": "Toulmin-structure score of chains of thought: correlation with "
+                          "accuracy; GRPO with a TRACE reward"},
+}
