@@ -142,8 +142,9 @@ def select(rule: str, mc_scores: Sequence[Sequence[float]], sources: Sequence[st
     """Indices of the rollouts an arm keeps. `rule`: full | random | bis | mixed | reliable |
     low_mc."""
     if rule == "full":
-        if not 0.0 < rho <= 1.0:
-            raise ValueError(f"rho = {rho}: the kept share must lie in (0, 1]")
+        if rho != 1.0:
+            raise ValueError(f"rho = {rho} with rule 'full': the full arm keeps every rollout, so "
+                             "its rho must be 1 (use rule 'random' to keep a share)")
         if not mc_scores:
             raise ValueError("nothing to select from: the pool is empty")
         return list(range(len(mc_scores)))
@@ -166,14 +167,15 @@ class Arm(BaseModel):
 
     name: str = Field(..., pattern=r"^[a-z0-9_]+$", description="arm name in tables and MLflow")
     rule: Literal["full", "random", "bis", "mixed", "reliable", "low_mc"]
-    rho: float = Field(1.0, gt=0, le=1, description="kept share per source")
+    rho: float = Field(1.0, gt=0, le=1, description="kept share per source (rule full: must be "
+                       "1, it keeps every rollout)")
     alpha: float = Field(ALPHA, ge=0, le=10, description="BIS floor term (rule bis only)")
 
     @model_validator(mode="after")
     def _full_keeps_everything(self) -> "Arm":
         if self.rule == "full" and self.rho != 1.0:
-            raise ValueError(f"arm {self.name!r}: rule 'full' keeps every rollout; rho = "
-                             f"{self.rho} would be ignored (use rule 'random' for a share)")
+            raise ValueError(f"arm {self.name!r}: rule 'full' keeps every rollout, so rho must "
+                             f"be 1 (or unset), not {self.rho} (use rule 'random' for a share)")
         return self
 
 

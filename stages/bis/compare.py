@@ -1,13 +1,18 @@
-"""Stage `compare` of the BIS pipeline: every subset's PRM side by side, mean and std over seeds.
+"""Stage `compare` of the BIS pipeline (arXiv 2602.04145): every subset's PRM side by side, mean
+and std over seeds.
 
 Per arm (mean ± population std over training seeds; a random arm also redraws its subset per
 seed): test step F1 and best-of-N accuracy (`evaluate`), training steps (the single-pass budget,
 so they scale with rho), and the steps it takes to reach the full-data PRM's final validation F1
 (from the validation curve logged during training; a seed that never reaches it is counted in
-`reached_frac`, not averaged in). The paper's claims are checked as measured booleans:
+`reached_frac`, not averaged in).
 
-- BIS-10% matches or beats full data (`bis_10/f1 >= full/f1`);
-- BIS-10% beats Random-10% (`bis_10/gain_vs_random` = relative F1 gain; paper: +4.1%).
+The paper's claims (`claims` in params.yaml: an arm against another on a metric, with the
+paper's effect from its Table 1 / ablation tables) go through the house claim rule
+(`stats.claim`): the difference of the two arms' values paired over training seeds (the same
+seed on both sides), its t interval (few pairs), the verdict and the minimum detectable effect,
+as `claim/<method>_vs_<baseline>/<metric>/*`. E.g. BIS-10% vs full data (paper: +0.34 F1
+points) and BIS-10% vs Random-10% (paper: +2.6 points, "a relative 4.1%").
 
 Outputs: `report/table.md`, `report/val_f1_curves.png`, `plots/val_f1.csv` (mean validation F1
 per arm and step, for `dvc plots`) and the flat metrics for DVC and the README table.
@@ -18,12 +23,32 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Sequence
 
 import polars as pl
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from stages.core import io
+from stages.core import io, stats
+
+METRICS = {"f1": "test step F1", "best_of_n": "best-of-N accuracy"}
+
+
+class PaperClaim(BaseModel):
+    """One claim of the paper: arm `method` scores higher than arm `baseline` on `metric`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: str = Field(..., description="the arm the paper says is better (an arm of select)")
+    baseline: str = Field(..., description="the arm it is compared with (an arm of select)")
+    metric: Literal["f1", "best_of_n"] = Field("f1", description="test step F1 or best-of-N "
+                                               "accuracy (`evaluate`)")
+    paper_effect: float | None = Field(..., ge=-1, le=1, description="the paper's method minus "
+                                       "baseline, signed, in this metric's units (a fraction: "
+                                       "1 point = 0.01); null when it gives no single number")
+
+    @property
+    def prefix(self) -> str:
+        return f"claim/{self.method}_vs_{self.baseline}/{self.metric}"
 
 
 class Config(BaseModel):
@@ -35,14 +60,15 @@ class Config(BaseModel):
     full_arm: str = Field("full", description="the full-data arm (the reference)")
     report: str = Field("report", description="paths key of the report folder")
     plot: str = Field("plots/val_f1.csv", description="plot CSV, relative to the pipeline folder")
+    claims: list[PaperClaim] = Field(default_factory=list, description="the paper's claims tested "
+                                     "here, each paired over training seeds")
 
-
-def mean_std(values: list[float]) -> tuple[float, float]:
-    """Mean and population std (ddof=0); NaN for no values."""
-    if not values:
-        return math.nan, math.nan
-    mean = sum(values) / len(values)
-    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
+    @model_validator(mode="after")
+    def _distinct(self) -> "Config":
+        prefixes = [c.prefix for c in self.claims]
+        if len(set(prefixes)) != len(prefixes):
+            raise ValueError(f"claims repeat a (method, baseline, metric): {prefixes}")
+        return self
 
 
 def steps_to_reach(curve: list[tuple[int, float]], level: float) -> int | None:
@@ -53,9 +79,32 @@ def steps_to_reach(curve: list[tuple[int, float]], level: float) -> int | None:
     return None
 
 
+def paper_claims(claims: Sequence[PaperClaim], evaluation: pl.DataFrame) -> dict[str, float]:
+    """Each claim by the house rule: method's minus baseline's value, paired over the training
+    seeds both arms ran (t interval over seeds)."""
+    m: dict[str, float] = {}
+    arms = set(evaluation["arm"].to_list())
+    for c in claims:
+        missing = [a for a in (c.method, c.baseline) if a not in arms]
+        if missing:
+            raise ValueError(f"compare.claims: {c.prefix} names arm(s) {missing} that were not "
+                             f"evaluated (arms: {sorted(arms)})")
+        method, baseline = (dict(evaluation.filter(pl.col("arm") == a)
+                                 .select("seed", c.metric).iter_rows())
+                            for a in (c.method, c.baseline))
+        try:
+            claim = stats.claim_by_key(method, baseline, direction=1,
+                                       paper_effect=c.paper_effect)
+        except ValueError as err:
+            raise ValueError(f"compare.claims: {c.prefix} ({c.method} vs {c.baseline}): "
+                             f"{err}") from None
+        m |= stats.claim_metrics(claim, c.prefix)
+    return m
+
+
 def summarize(arms: list[dict[str, Any]], evaluation: pl.DataFrame, curves: pl.DataFrame,
-              full_arm: str) -> dict[str, float]:
-    """Flat metrics `<arm>/<name>` for every arm, plus the claim checks."""
+              full_arm: str, claims: Sequence[PaperClaim] = ()) -> dict[str, float]:
+    """Flat metrics `<arm>/<name>` for every arm, plus the paper's claims (`paper_claims`)."""
     names = [a["name"] for a in arms]
     if full_arm not in names:
         raise ValueError(f"full_arm {full_arm!r} is not an arm of select: {names}")
@@ -67,7 +116,7 @@ def summarize(arms: list[dict[str, Any]], evaluation: pl.DataFrame, curves: pl.D
         if ev.is_empty():
             raise ValueError(f"arm {arm!r} has no evaluation rows: was it trained?")
         for key in ("f1", "f1_wrong", "best_of_n"):
-            m[f"{arm}/{key}_mean"], m[f"{arm}/{key}_std"] = mean_std(ev[key].to_list())
+            m[f"{arm}/{key}_mean"], m[f"{arm}/{key}_std"] = stats.mean_std(ev[key].to_list())
         reach, steps = [], []
         for seed in ev["seed"].to_list():
             c = curves.filter((pl.col("arm") == arm) & (pl.col("seed") == seed))
@@ -78,7 +127,7 @@ def summarize(arms: list[dict[str, Any]], evaluation: pl.DataFrame, curves: pl.D
                 reach.append(float(got))
         m[f"{arm}/train_steps"] = float(max(steps))
         m[f"{arm}/reached_frac"] = len(reach) / len(steps)
-        m[f"{arm}/steps_to_full_mean"] = mean_std(reach)[0]
+        m[f"{arm}/steps_to_full_mean"] = stats.mean_std(reach)[0]
     full = m[f"{full_arm}/f1_mean"]
     for a in arms:
         if a["rule"] in ("full", "random"):
@@ -89,11 +138,7 @@ def summarize(arms: list[dict[str, Any]], evaluation: pl.DataFrame, curves: pl.D
         if rand is not None:
             r = m[f"{rand}/f1_mean"]
             m[f"{a['name']}/gain_vs_random"] = (m[f"{a['name']}/f1_mean"] - r) / r if r else math.nan
-    if "bis_10" in names:
-        m["claim_bis10_matches_full"] = float(m["bis_10/f1_mean"] >= full)
-        if "bis_10/gain_vs_random" in m:
-            m["claim_bis10_beats_random10"] = float(m["bis_10/gain_vs_random"] > 0)
-    return m
+    return m | paper_claims(claims, evaluation)
 
 
 def mean_curves(curves: pl.DataFrame) -> pl.DataFrame:
@@ -125,7 +170,7 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     arms = json.loads((ctx.path(cfg.subsets) / "arms.json").read_text())
     evaluation = pl.read_parquet(ctx.path(cfg.evaluation) / "evaluation.parquet")
     curves = pl.read_parquet(ctx.path(cfg.prms) / "curves.parquet")
-    m = summarize(arms, evaluation, curves, cfg.full_arm)
+    m = summarize(arms, evaluation, curves, cfg.full_arm, cfg.claims)
     refs = json.loads((ctx.path(cfg.evaluation) / "references.json").read_text())
     m |= {f"bon_{k}": float(v) for k, v in refs.items() if k in ("random", "majority", "oracle")}
     mean = mean_curves(curves)
@@ -163,12 +208,25 @@ def _arm_lines(m: dict[str, Any]) -> list[str]:
                   f"{m.get('bon_majority', math.nan):.3f}, oracle (pass@N) "
                   f"{m.get('bon_oracle', math.nan):.3f}. Full-data final validation F1 (the "
                   f"'reach' level): {m.get('full_val_f1', math.nan):.3f}."]
-    if "claim_bis10_matches_full" in m:
-        lines += ["", f"Claim 'BIS-10% matches or beats full data': "
-                      f"{'reproduced' if m['claim_bis10_matches_full'] else 'not reproduced'}; "
-                      f"'BIS-10% beats Random-10%': "
-                      f"{'reproduced' if m.get('claim_bis10_beats_random10') else 'not reproduced'}"
-                      "."]
+    claimed = claim_lines(m)
+    return lines + (["", *claimed] if claimed else [])
+
+
+def claim_lines(m: dict[str, Any]) -> list[str]:
+    """The paper's claims found in a compare-metrics dict, one sentence each."""
+    prefixes = sorted(k.removesuffix("/verdict") for k in m
+                      if k.startswith("claim/") and k.endswith("/verdict"))
+    if not prefixes:
+        return []
+    lines = ["The paper's claims, method minus baseline paired over training seeds, mean [95% t "
+             "interval], verdict by the house rule (paper's effect in the same units):", ""]
+    for prefix in prefixes:
+        pair, metric = prefix.removeprefix("claim/").rsplit("/", 1)
+        method, baseline = pair.split("_vs_", 1)
+        c = stats.read_claim(m, prefix)
+        assert c is not None
+        lines.append(f"- {method} above {baseline}, {METRICS.get(metric, metric)}: "
+                     f"{c.sentence()}")
     return lines
 
 
@@ -203,4 +261,7 @@ def results_table(metrics: dict[str, dict[str, Any]]) -> str:
                               r["corpus/true_mixed_share"], r["corpus/mc_mixed_share"],
                               r["corpus/label_agreement"]), ""]
         lines += _arm_lines(r)
+        if not claim_lines(r):
+            lines += ["", "The paper's claims are not tested in this regime: the paired test "
+                          "needs each seed's values, which its record does not keep."]
     return "\n".join(lines) + "\n"

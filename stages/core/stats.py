@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Callable, Literal, Mapping, Sequence
 
 VERDICTS = {1: "reproduced", 0: "inconclusive", -1: "contradicted"}
 
@@ -221,3 +221,61 @@ def check_budgets(budgets: dict[str, dict[str, Any]], keys: Sequence[str]) -> No
                 raise ValueError(f"arm {arm!r} ran with {key} = {budget.get(key)!r} but "
                                  f"{first_arm!r} with {first.get(key)!r}: budgets must be equal "
                                  f"(set it in the shared anchor of params.yaml)")
+
+
+def claim_by_key(method: Mapping[Any, float], baseline: Mapping[Any, float], *,
+                 direction: int = 1, paper_effect: float | None = None,
+                 relative: bool = False) -> Claim:
+    """`claim` on values paired by key (the seed: the same seed on both sides).
+
+    Both sides must hold the same keys (ValueError naming those on one side only). A pair with
+    a non-finite value on either side is dropped (a seed where the metric is undefined, e.g.
+    tokens per solved query when none is solved); with no pair left the claim is inconclusive
+    over 0 pairs. `relative`: differences relative to the baseline's mean over the pairs,
+    (m_i - b_i) / mean(b), for a paper that states a relative effect ("+17%", "50% fewer
+    rollouts"), `paper_effect` then relative too. Dividing by a positive constant moves no CI
+    bound across 0, so only the comparison with the paper's effect changes; a baseline mean
+    <= 0 has no relative change: inconclusive."""
+    if set(method) != set(baseline):
+        only = sorted(set(method) ^ set(baseline), key=str)
+        raise ValueError(f"paired values need the same keys (seeds) on both sides; on one side "
+                         f"only: {only}")
+    pairs = [(float(method[k]), float(baseline[k])) for k in sorted(method)]
+    pairs = [(m, b) for m, b in pairs if math.isfinite(m) and math.isfinite(b)]
+    undecided = Claim(math.nan, math.nan, math.nan, verdict(math.nan, math.nan, direction),
+                      math.nan, len(pairs), paper_effect)
+    if not pairs:
+        return undecided
+    m, b = [p[0] for p in pairs], [p[1] for p in pairs]
+    if relative:
+        base = sum(b) / len(b)
+        if not base > 0:
+            return undecided
+        m, b = [v / base for v in m], [v / base for v in b]
+    return claim(m, b, direction=direction, paper_effect=paper_effect)
+
+
+def claim_metrics(c: Claim, prefix: str) -> dict[str, float]:
+    """`Claim.metrics` plus `<prefix>/paper_effect` (when the paper gives one), less the
+    non-finite values (a CI over one pair, a relative change over a zero baseline): DVC metrics
+    stay plain numbers, and a README table rendered from the metrics alone can set the paper's
+    effect beside the MDE. `read_claim` reads it back."""
+    out = c.metrics(prefix)
+    if c.paper_effect is not None:
+        out[f"{prefix}/paper_effect"] = float(c.paper_effect)
+    return {k: v for k, v in out.items() if math.isfinite(v)}
+
+
+def read_claim(m: Mapping[str, Any], prefix: str) -> Claim | None:
+    """The claim `claim_metrics` wrote under `prefix`, dropped values back as NaN; None when
+    there is none."""
+    if f"{prefix}/verdict" not in m:
+        return None
+
+    def get(key: str) -> float:
+        return float(m.get(f"{prefix}/{key}", math.nan))
+
+    paper = m.get(f"{prefix}/paper_effect")
+    return Claim(get("diff"), get("ci_low"), get("ci_high"), int(m[f"{prefix}/verdict"]),
+                 get("mde"), int(m.get(f"{prefix}/pairs", 0)),
+                 None if paper is None else float(paper))

@@ -1,24 +1,28 @@
 """ProofVerify: generative verifiers for selecting one solution out of n (arXiv 2511.13027).
 
-The method in three lines (spec `shared/papers/proofverify.md` §2, from NeMo-Skills'
+The method in three lines (§2 of the paper; the official NeMo-Skills recipe
 `recipes/proof-gen-verification`):
 - LLM-as-a-Judge: n_j sampled verdicts per solution, score s(p) = #Yes / #parseable (s = -1 when
   no reply parses); pick argmax s, ties to the first maximum after a shuffle.
 - GenSelect: a pairwise knockout tournament, remaining candidates reshuffled before every round,
   the odd one out gets a bye, an unparseable game has a uniformly random winner; N - w games.
-- Hybrid (the paper's recommendation): knockout down to w = n_s survivors, then the judge's
-  argmax over the survivors only (n_s x n_j judgements instead of n_p x n_j).
+- Hybrid (the paper's recommendation): knockout down to w = n_s survivors, then the argmax over
+  the survivors of mean_{j=1..n_j} 1[judge_j(p) = Yes], the mean over ALL n_j judgements (an
+  unparseable reply counts as not Yes: `hybrid_score`); n_s x n_j judgements instead of
+  n_p x n_j. The judge's #Yes / #parseable on the survivors is kept as the ablation arm
+  `hybrid_lenient` (`survivor_score("parseable")`).
 
 This module holds the pure parts (prompts, output contracts, scores, the tournament, the
 selection rules and the metrics), each testable on hand-made inputs. The stages that call a
-backend are `proofverify_select.py` (judge / genselect / hybrid), `proofverify_candidates.py`
-and `proofverify_train.py`; the comparison is `stages/proofverify/compare.py`.
+backend are `select.py` (judge / genselect / hybrid / hybrid_lenient), `candidates.py` and
+`train_judge.py`; the comparison is `compare.py`, the simulated-oracle budget sweep `oracle.py`.
 
 Departures: the tiny local models reason in a step check trace (`check_trace`) before
 `Verdict: Yes|No` / `Best: 1|2` (`check` style; `compact` answers with the verdict alone), the
-`opc` style is the paper's tagged contract for served models; the parsers accept all three. The last round of a knockout plays only the games still needed (the paper's
-code plays the round in parallel and truncates), so the cost is exactly N - w games, the figure
-the paper quotes. Run: `paperline repro proofverify` (see pipelines/proofverify/README.md).
+`opc` style is the paper's tagged contract for served models; the parsers accept all three. The
+last round of a knockout plays only the games still needed (the paper's code plays the round in
+parallel and truncates), so the cost is exactly N - w games, the figure the paper quotes. Run:
+`paperline repro proofverify` (see pipelines/proofverify/README.md).
 """
 
 from __future__ import annotations
@@ -145,6 +149,28 @@ def judge_score(verdicts: Sequence[bool | None]) -> float:
     if not parsed:
         return -1.0
     return sum(parsed) / len(parsed)
+
+
+def hybrid_score(verdicts: Sequence[bool | None]) -> float:
+    """Hybrid's survivor score, mean_{j=1..n_j} 1[judge_j(p) = Yes] over ALL n_j judgements:
+    an unparseable reply (None) counts as not Yes, so a proof with 1 Yes and 3 unparseable
+    replies scores 0.25, below one with 3 Yes and 1 No (0.75). -1 when there is no verdict."""
+    if not verdicts:
+        return -1.0
+    return sum(v is True for v in verdicts) / len(verdicts)
+
+
+SurvivorScore = Literal["all", "parseable"]
+
+
+def survivor_score(rule: SurvivorScore) -> Callable[[Sequence[bool | None]], float]:
+    """The score Hybrid ranks its survivors by: `all` (the paper's, `hybrid_score`) or
+    `parseable` (the judge's #Yes / #parseable, `judge_score`: the lenient ablation)."""
+    rules: dict[str, Callable[[Sequence[bool | None]], float]] = {
+        "all": hybrid_score, "parseable": judge_score}
+    if rule not in rules:
+        raise ValueError(f"survivor score {rule!r}: expected 'all' or 'parseable'")
+    return rules[rule]
 
 
 def argmax_first(scores: Sequence[float]) -> int:
@@ -341,27 +367,3 @@ def balanced_indices(problem_ids: Sequence[str], answer_right: Sequence[bool],
         if len(right.get(p, [])) >= per_side and len(wrong.get(p, [])) >= per_side:
             out += right[p][:per_side] + wrong[p][:per_side]
     return sorted(out)
-
-
-def paired_diff_ci(a: Sequence[float], b: Sequence[float], draws: int = 2000, seed: int = 0
-                   ) -> tuple[float, float, float]:
-    """Mean of the paired differences a_i - b_i and its percentile 95% bootstrap CI, resampling
-    the pairs with replacement. Pairs are problems (each rule's accuracy on a problem averaged
-    over seeds): both rules chose from the same candidates, so the problem-to-problem spread
-    cancels. A rule beats another when the whole CI lies above 0 [ours: the paper gives no test]."""
-    if len(a) != len(b) or not a:
-        raise ValueError(f"paired_diff_ci needs two equally long non-empty lists, got {len(a)} "
-                         f"and {len(b)}")
-    d = [x - y for x, y in zip(a, b)]
-    n, rng = len(d), random.Random(seed)
-    means = sorted(sum(d[rng.randrange(n)] for _ in range(n)) / n for _ in range(draws))
-    return sum(d) / n, means[int(0.025 * (draws - 1))], means[int(0.975 * (draws - 1))]
-
-
-def mean_std(values: Sequence[float]) -> tuple[float, float]:
-    """Mean and population std over seeds (NaN values skipped; NaN when none is left)."""
-    vals = [v for v in values if not math.isnan(v)]
-    if not vals:
-        return math.nan, math.nan
-    mean = sum(vals) / len(vals)
-    return mean, math.sqrt(sum((v - mean) ** 2 for v in vals) / len(vals))

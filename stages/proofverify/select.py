@@ -1,6 +1,7 @@
-"""Stages `judge`, `genselect` and `hybrid` of ProofVerify: pick one of n_p candidates per problem.
+"""Stages `judge`, `genselect`, `hybrid` and `hybrid_lenient` of ProofVerify: pick one of n_p
+candidates per problem (arXiv 2511.13027, §2).
 
-One module, three params sections (`method` names the rule); every verifier call goes through
+One module, four params sections (`method` names the rule); every verifier call goes through
 the LLM backend (`stages/models/backend.py`), so the `gpu` profile swaps the tiny fine-tuned
 verifiers for prompted served models by params alone.
 
@@ -8,27 +9,31 @@ verifiers for prompted served models by params alone.
   (-1 if none parses); argmax after a shuffle. Calls: n_p x n_j. Every verdict is cached in
   `votes.parquet` (the paper caches every LLM call), with its raw text.
 - `genselect` (pure GenSelect): knockout to one winner. Calls: n_p - 1 games.
-- `hybrid`: knockout to `winner_count` = n_s survivors, then the judge's argmax over the
-  survivors, reading the first n_j cached verdicts of the `judge` stage for them (the same
-  verdicts the pure judge saw: a paired comparison). Calls: n_p - n_s games + n_s x n_j.
+- `hybrid`: knockout to `winner_count` = n_s survivors, then the argmax over the survivors of
+  mean_{j=1..n_j} 1[Yes] over their first n_j cached verdicts of the `judge` stage (the same
+  verdicts the pure judge saw: a paired comparison); an unparseable verdict counts as not Yes
+  (`survivor_score: all`, the paper's rule). Calls: n_p - n_s games + n_s x n_j.
+- `hybrid_lenient` (ablation [ours]): the same knockout (same seeds, same games), survivors
+  scored by the judge's #Yes / #parseable (`survivor_score: parseable`), so one Yes among
+  unparseable replies scores 1.
 
-Malformed outputs never stop a run: an unparseable verdict is None (left out of s; a candidate
-with no parseable verdict scores -1), an unparseable game has a uniformly random winner (spec
-§2, §6). Their rates are reported (`parse_fail_rate`). Seeds: each seed redraws the verdict
-samples, the tournament shuffles and the tie-breaking shuffles.
+Malformed outputs never stop a run: for the judge an unparseable verdict is None (left out of s;
+a candidate with no parseable verdict scores -1), an unparseable game has a uniformly random
+winner (paper §2; NeMo-Skills recipe). Their rates are reported (`parse_fail_rate`). Seeds:
+each seed redraws the verdict samples, the tournament shuffles and the tie-breaking shuffles.
 
     <out>/selections.parquet   seed, problem_id, selected candidate, calls, parse failures
     <out>/votes.parquet        (judge) seed, candidate_id, vote, verdict, text
     <out>/games.parquet        (genselect, hybrid) seed, problem_id, round, first, second, choice
 
-    python -m stages proofverify judge | genselect | hybrid
+    python -m stages proofverify judge | genselect | hybrid | hybrid_lenient
 """
 
 from __future__ import annotations
 
 import random
 import time
-from typing import Any, Literal
+from typing import Any, Callable, Literal, Sequence
 
 import polars as pl
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -73,6 +78,11 @@ class Config(BaseModel):
     max_new_tokens: int = Field(8, ge=1, le=131072, description="verifier reply budget")
     votes: str | None = Field(None, description="hybrid: paths key of the judge stage output "
                               "whose cached verdicts score the survivors")
+    survivor_score: pv.SurvivorScore = Field(
+        "all", description="hybrid: how a survivor's n_j cached verdicts score it. all: mean over "
+                           "all n_j of 1[Yes], unparseable = not Yes (the paper's rule); "
+                           "parseable: #Yes / #parseable, -1 if none parses (the lenient "
+                           "ablation, stage hybrid_lenient)")
     max_problems: int | None = Field(None, ge=1, description="first k test problems only")
     num_threads: int = Field(0, ge=0, le=512, description="torch CPU threads (0: default)")
     out: str = Field(..., description="paths key of the output folder")
@@ -82,6 +92,10 @@ class Config(BaseModel):
         if self.method == "hybrid" and not self.votes:
             raise ValueError("method = hybrid needs `votes`: the paths key of the judge stage "
                              "output (its cached verdicts score the survivors)")
+        if self.method != "hybrid" and self.survivor_score != "all":
+            raise ValueError(f"survivor_score = {self.survivor_score!r} with method = "
+                             f"{self.method}: it scores hybrid survivors only (the pure judge's "
+                             "score is always #Yes / #parseable)")
         if self.method == "genselect" and self.winner_count != 1:
             raise ValueError(f"method = genselect: winner_count = {self.winner_count}, expected 1 "
                              "(pure GenSelect plays down to one winner; use hybrid for n_s > 1)")
@@ -123,13 +137,15 @@ def judge_votes(backend: Any, cands: pl.DataFrame, cfg: Config, seed: int) -> pl
     return pl.DataFrame(rows, schema=VOTES)
 
 
-def scores_from_votes(votes: pl.DataFrame, n_j: int) -> dict[str, float]:
-    """candidate_id -> s(p) over its first n_j verdicts."""
+def scores_from_votes(votes: pl.DataFrame, n_j: int,
+                      score: Callable[[Sequence[bool | None]], float] = pv.judge_score
+                      ) -> dict[str, float]:
+    """candidate_id -> `score` of its first n_j verdicts (default: the judge's s(p))."""
     got: dict[str, list[bool | None]] = {}
     for cid, vote, verdict in zip(votes["candidate_id"], votes["vote"], votes["verdict"]):
         if vote < n_j:
             got.setdefault(cid, []).append(verdict)
-    return {cid: pv.judge_score(v) for cid, v in got.items()}
+    return {cid: score(v) for cid, v in got.items()}
 
 
 # --- knockout ---------------------------------------------------------------------------------
@@ -228,7 +244,8 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
             all_games += games
             scores = {}
             if cached is not None:
-                scores = scores_from_votes(cached.filter(pl.col("seed") == seed), cfg.n_j)
+                scores = scores_from_votes(cached.filter(pl.col("seed") == seed), cfg.n_j,
+                                           pv.survivor_score(cfg.survivor_score))
             for k, (g, ko) in enumerate(zip(problems, tournaments)):
                 ids = g["candidate_id"].to_list()
                 survivors = ko.winners

@@ -204,11 +204,9 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
         acc, fail = _val_accuracy(model, tokenizer, vp, vt, parse)
         metrics |= {f"{role}_val_acc": acc, f"{role}_val_parse_fail": fail}
         print(f"train_judge/{role}: {len(prompts)} rows, val acc {acc:.3f}")
-        with io.atomic_path(out, is_dir=True) as tmp:
-            model.save_pretrained(str(tmp), safe_serialization=True)
-            tokenizer.save_pretrained(str(tmp))
-            io.write_json(tmp / "verifier.json", {"role": role, "prompt_style": cfg.prompt_style,
-                                                  "rows": len(prompts)})
+        io.save_model(model, tokenizer, out)
+        io.write_json(out / "verifier.json", {"role": role, "prompt_style": cfg.prompt_style,
+                                              "rows": len(prompts)})
         if ctx.tracker is not None:
             ctx.tracker.register_model(out, name, ["candidate", "champion"],
                                        tags={"paperline.method": role,

@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from stages.core import stats
 from tests.conftest import dvc, paperline
 from tests.pipelines.test_base_pipeline import mlflow_client
 
@@ -85,6 +86,13 @@ def test_compare_metrics_readme_and_registry(bis_repo: Path):
     readme = (bis_repo / P / "README.md").read_text()
     block = readme.split("<!-- results:start")[1].split("<!-- results:end")[0]
     assert "| bis_25 |" in block and f"{m['bis_25/f1_mean']:.3f}" in block
+    # the smoke profile's claims, paired over the 2 seeds by the claim rule (no boolean keys)
+    assert not any(k.startswith("claim_") for k in m)
+    for prefix in ("claim/bis_25_vs_random_25/f1", "claim/bis_25_vs_mixed_25/f1",
+                   "claim/bis_25_vs_full/best_of_n"):
+        c = stats.read_claim(m, prefix)
+        assert c is not None and c.n == 2 and c.sentence() in block
+    assert m["claim/bis_25_vs_random_25/f1/paper_effect"] == 0.0209
 
     proc = paperline(bis_repo, "compare", "bis")
     assert proc.returncode == 0, proc.stderr[-2000:]

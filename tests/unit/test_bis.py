@@ -11,6 +11,7 @@ import torch
 from pydantic import ValidationError
 
 from stages.bis import compare as bc
+from stages.core import stats
 from stages.models import base
 from stages.models.mc_annotate import label_noise, mc_score, step_prefixes
 from stages.models.tokenizer import build_tokenizer
@@ -88,6 +89,21 @@ def test_keep_count_and_invalid_inputs():
     with pytest.raises(ValidationError, match="rule 'full' keeps every rollout"):
         bis.Arm(name="x", rule="full", rho=0.5)
     assert bis.Arm(name="x", rule="full").rho == 1.0
+
+
+def test_a_full_arm_with_a_share_is_refused_not_silently_kept_whole():
+    # rule full keeps every rollout: rho = 0.1 would be ignored, so it is an error naming rho,
+    # in the arm's Config and in the selection function itself
+    with pytest.raises(ValidationError, match=r"rule 'full' keeps every rollout, so rho must be "
+                                              r"1 \(or unset\), not 0.1"):
+        bis.Arm(name="full", rule="full", rho=0.1)
+    with pytest.raises(ValueError, match=r"rho = 0.1 with rule 'full'.*rho must be 1"):
+        bis.select("full", TABLE, SOURCES, 0.1)
+    assert bis.Arm(name="full", rule="full", rho=1.0).rho == 1.0
+    assert bis.select("full", TABLE, SOURCES, 1.0) == [0, 1, 2, 3, 4]
+
+
+def test_config_refuses_repeated_arm_names():
     with pytest.raises(ValidationError, match="repeat"):
         bis.Config(arms=[{"name": "x", "rule": "full"}, {"name": "x", "rule": "bis"}])
 
@@ -201,7 +217,6 @@ def test_training_changes_the_backbone_and_learns_the_planted_error(backbone, tm
 def test_compare_summary_claims_and_table():
     curve = [(0, 0.4), (10, 0.6), (20, 0.75), (30, 0.8)]
     assert bc.steps_to_reach(curve, 0.75) == 20 and bc.steps_to_reach(curve, 0.9) is None
-    assert bc.mean_std([1.0, 3.0]) == pytest.approx((2.0, 1.0))
     arms = [{"name": "full", "rule": "full", "rho": 1.0},
             {"name": "random_10", "rule": "random", "rho": 0.1},
             {"name": "bis_10", "rule": "bis", "rho": 0.1}]
@@ -209,12 +224,15 @@ def test_compare_summary_claims_and_table():
         "arm": ["full", "full", "random_10", "random_10", "bis_10", "bis_10"],
         "seed": [0, 1] * 3, "f1": [0.8, 0.7, 0.5, 0.7, 0.76, 0.74],
         "f1_wrong": [0.6] * 6, "best_of_n": [0.5, 0.7, 0.4, 0.4, 0.6, 0.6]})
+    claims = [bc.PaperClaim(method="bis_10", baseline="full", paper_effect=0.0034),
+              bc.PaperClaim(method="bis_10", baseline="random_10", metric="best_of_n",
+                            paper_effect=None)]
     curves = pl.DataFrame({
         "arm": ["full"] * 4 + ["random_10"] * 4 + ["bis_10"] * 4,
         "seed": [0, 0, 1, 1] * 3,
         "step": [0, 100, 0, 100, 0, 10, 0, 10, 0, 10, 0, 10],
         "val_f1": [0.3, 0.8, 0.3, 0.6, 0.3, 0.5, 0.3, 0.75, 0.3, 0.7, 0.3, 0.72]})
-    m = bc.summarize(arms, evaluation, curves, "full")
+    m = bc.summarize(arms, evaluation, curves, "full", claims)
     assert m["full_val_f1"] == pytest.approx(0.7)                  # mean final val F1 of full
     assert m["bis_10/f1_mean"] == pytest.approx(0.75) and m["bis_10/f1_std"] == pytest.approx(0.01)
     assert m["bis_10/train_steps"] == 10 and m["full/train_steps"] == 100
@@ -222,10 +240,26 @@ def test_compare_summary_claims_and_table():
     assert m["random_10/reached_frac"] == 0.5                      # seed 0 stops at 0.5
     assert m["bis_10/gain_vs_full"] == pytest.approx(0.0)
     assert m["bis_10/gain_vs_random"] == pytest.approx((0.75 - 0.6) / 0.6)
-    assert m["claim_bis10_matches_full"] == 1.0 and m["claim_bis10_beats_random10"] == 1.0
+    assert not any(k.startswith("claim_") for k in m)               # no boolean claims
+    # bis_10 - full on F1, paired by seed: diffs [-0.04, +0.04], mean 0, sd 0.04 sqrt(2), so
+    # se = 0.04 and the t interval is 0 +- t_{.975,1} 0.04 = +-0.508; MDE (t_{.975,1} + t_{.8,1})
+    # x 0.04 = 0.563: inconclusive, and the paper's +0.0034 is far below what 2 seeds can see
+    full = stats.read_claim(m, "claim/bis_10_vs_full/f1")
+    assert full.diff == pytest.approx(0.0, abs=1e-12) and full.n == 2
+    assert (full.low, full.high) == (pytest.approx(-0.50825, abs=1e-4),
+                                     pytest.approx(0.50825, abs=1e-4))
+    assert full.mde == pytest.approx((12.7062 + 1.3764) * 0.04, abs=1e-3)
+    assert full.name == "inconclusive" and m["claim/bis_10_vs_full/f1/paper_effect"] == 0.0034
+    # bis_10 - random_10 on best-of-N: [0.2, 0.2], the interval collapses on +0.2: reproduced
+    rand = stats.read_claim(m, "claim/bis_10_vs_random_10/best_of_n")
+    assert (rand.diff, rand.low, rand.high) == (pytest.approx(0.2),) * 3
+    assert rand.name == "reproduced" and rand.paper_effect is None
     table = bc.results_table({"compare": m})
     assert "| bis_10 | 0.750 ± 0.010 |" in table and "| +25.0% |" in table
-    assert "'BIS-10% matches or beats full data': reproduced" in table
+    assert ("- bis_10 above full, test step F1: **inconclusive**: +0.000 [-0.508, +0.508] over 2 "
+            "pairs; MDE 0.563; paper: +0.003") in table
+    assert ("- bis_10 above random_10, best-of-N accuracy: **reproduced**: +0.200 [+0.200, "
+            "+0.200] over 2 pairs; MDE 0.000") in table
     assert bc.results_table({}).startswith("_No results")
     # a second regime kept from another run renders as its own table, with its corpus line
     regime = {**m, "corpus/true_wrong_share": 0.39, "corpus/mc_negative_share": 0.49,
@@ -236,5 +270,18 @@ def test_compare_summary_claims_and_table():
     assert both.count("| bis_10 | 0.750 ± 0.010 |") == 2
     assert "Second regime: problems with 3-5 operands (from commit abc)" in both
     assert "39.0% of steps wrong" in both
+    # a regime kept without per-seed values (no claim keys) says its claims are not tested
+    old = {k: v for k, v in regime.items() if not k.startswith("claim/")}
+    assert "not tested in this regime" in bc.results_table({"compare": m, "regime_3to5": old})
+    assert "not tested in this regime" not in both
+    # claims are checked against the arms and the seeds before any number is reported
+    with pytest.raises(ValueError, match=r"claim/bis_5_vs_full/f1 names arm\(s\) \['bis_5'\]"):
+        bc.summarize(arms, evaluation, curves, "full",
+                     [bc.PaperClaim(method="bis_5", baseline="full", paper_effect=None)])
+    one_seed = evaluation.filter(~((pl.col("arm") == "full") & (pl.col("seed") == 1)))
+    with pytest.raises(ValueError, match=r"bis_10 vs full.*same keys.*\[1\]"):
+        bc.summarize(arms, one_seed, curves, "full", claims[:1])
+    with pytest.raises(ValidationError, match="claims repeat"):
+        bc.Config(claims=[claims[0], claims[0]])
     with pytest.raises(ValueError, match="full_arm"):
         bc.summarize(arms[1:], evaluation, curves, "full")

@@ -10,6 +10,7 @@ import polars as pl
 import pytest
 from pydantic import ValidationError
 
+from stages.core import stats
 from stages.proofverify import compare as cmp
 from stages.proofverify import proofverify as pv
 from stages.proofverify import candidates as cand
@@ -75,6 +76,33 @@ def test_judge_score_is_yes_share_of_parseable_and_minus_one_when_none_parse():
     assert pv.judge_score([None, None]) == -1.0
     assert pv.judge_score([]) == -1.0
     assert pv.judge_score([False, None]) == 0.0          # one parseable No beats no parse at all
+
+
+def test_hybrid_scores_survivors_over_all_judgements_not_the_parseable_ones():
+    # spec §2: Hybrid = argmax over the survivors of mean_{j=1..n_j} 1[judge_j(p) = Yes]; an
+    # unparseable reply counts as not Yes. A: 1 Yes + 3 unparseable -> 1/4; B: 3 Yes + 1 No -> 3/4.
+    a, b = [True, None, None, None], [True, True, True, False]
+    assert pv.hybrid_score(a) == 0.25 and pv.hybrid_score(b) == 0.75
+    assert pv.hybrid_score([None, None]) == 0.0 and pv.hybrid_score([]) == -1.0
+    # the lenient ablation (#Yes / #parseable, the pure judge's s(p), which the spec keeps for
+    # the pure judge): A scores 1/1 = 1.0 and beats B's 0.75
+    assert pv.judge_score(a) == 1.0 and pv.judge_score(b) == 0.75
+    assert pv.survivor_score("all") is pv.hybrid_score
+    assert pv.survivor_score("parseable") is pv.judge_score
+    with pytest.raises(ValueError, match="survivor score 'mean'"):
+        pv.survivor_score("mean")
+    # through the stage's scoring of cached votes and the survivors' argmax: B by the paper's
+    # rule, A by the lenient one, whatever the tie shuffle
+    votes = pl.DataFrame({"candidate_id": ["A"] * 4 + ["B"] * 4, "vote": [0, 1, 2, 3] * 2,
+                          "verdict": a + b},
+                         schema={"candidate_id": pl.String, "vote": pl.Int64,
+                                 "verdict": pl.Boolean})
+    for rule, winner in (("all", "B"), ("parseable", "A")):
+        scores = sel.scores_from_votes(votes, 4, pv.survivor_score(rule))
+        ids = ["A", "B"]
+        picks = {ids[pv.select_by_score([0, 1], [scores[c] for c in ids], random.Random(s))]
+                 for s in range(10)}
+        assert picks == {winner}, rule
 
 
 def test_argmax_takes_the_first_maximum_and_selection_shuffles_ties():
@@ -235,36 +263,51 @@ def test_final_answer_precision_and_balanced_set():
     assert pv.balanced_indices(pids, right, 2) == [0, 1, 2, 3, 7, 8, 9, 10]
 
 
-def test_mean_std_over_seeds():
-    assert pv.mean_std([0.5, 0.7]) == (pytest.approx(0.6), pytest.approx(0.1))
-    assert pv.mean_std([0.5, math.nan]) == (0.5, 0.0)
-    assert all(math.isnan(x) for x in pv.mean_std([]))
-
-
-def test_paired_diff_ci_by_hand():
-    # every problem the same gap: the CI collapses on it
-    assert pv.paired_diff_ci([1.0, 0.5, 1.0], [0.5, 0.0, 0.5]) == (0.5, 0.5, 0.5)
+def test_the_shared_paired_bootstrap_gives_the_former_numbers_by_hand():
+    # the compare's paired CI is stats.paired_ci(method="bootstrap", draws, seed 0): every
+    # problem the same gap collapses the CI on it
+    assert stats.paired_ci([1.0, 0.5, 1.0], [0.5, 0.0, 0.5], method="bootstrap") == (0.5, 0.5, 0.5)
     # diffs [1, 0]: resampled means are 0 (P = 1/4), 0.5 (1/2) or 1 (1/4), so the 2.5% and
     # 97.5% percentiles are 0 and 1: a +0.5 mean whose CI touches 0 is not a win
-    assert pv.paired_diff_ci([1.0, 0.0], [0.0, 0.0]) == (0.5, 0.0, 1.0)
-    with pytest.raises(ValueError, match="equally long"):
-        pv.paired_diff_ci([1.0], [0.0, 1.0])
+    assert stats.paired_ci([1.0, 0.0], [0.0, 0.0], method="bootstrap") == (0.5, 0.0, 1.0)
 
 
-def test_paired_vs_hybrid_pairs_problems_and_averages_seeds():
-    # hybrid picks the valid candidate on both problems and both seeds (acc 1, 1); judge picks
-    # it on p in seed 0 only (p: 0.5, q: 0) -> diffs [0.5, 1.0], mean 0.75, every resample >= 0.5
+def _selections():
+    # hybrid picks the valid candidate on both problems and both seeds (acc 1, 1) at 5 calls;
+    # judge picks it on p in seed 0 only (p: 0.5, q: 0) at 8 calls -> diffs [0.5, 1.0], mean
+    # 0.75, every resample >= 0.5; genselect ties hybrid on both problems
     rows = []
     for seed in (0, 1):
-        rows += [("hybrid", seed, "p", "p-0"), ("hybrid", seed, "q", "q-2"),
-                 ("judge", seed, "p", "p-0" if seed == 0 else "p-1"), ("judge", seed, "q", "q-0")]
-    for m in ("genselect", "majority", "random"):
-        rows += [(m, 0, "p", "p-0"), (m, 0, "q", "q-2")]
-    sel = pl.DataFrame(rows, schema=["method", "seed", "problem_id", "selected_id"], orient="row")
-    m = cmp.paired_vs_hybrid(sel, _cands(), draws=500)
-    assert m["diff/hybrid_judge_mean"] == pytest.approx(0.75)
-    assert m["diff/hybrid_judge_ci_low"] == 0.5 and m["diff/hybrid_judge_ci_high"] == 1.0
-    assert m["diff/hybrid_genselect_mean"] == 0.0 and m["diff/hybrid_genselect_ci_low"] == 0.0
+        rows += [("hybrid", seed, "p", "p-0", 5), ("hybrid", seed, "q", "q-2", 5),
+                 ("judge", seed, "p", "p-0" if seed == 0 else "p-1", 8),
+                 ("judge", seed, "q", "q-0", 8)]
+    for m in ("genselect", "hybrid_lenient", "majority", "random"):
+        rows += [(m, 0, "p", "p-0", 1), (m, 0, "q", "q-2" if m != "random" else "q-1", 1)]
+    return pl.DataFrame(rows, schema=["method", "seed", "problem_id", "selected_id", "calls"],
+                        orient="row")
+
+
+def test_hybrid_claims_pair_problems_and_average_seeds():
+    m = cmp.hybrid_claims(_selections(), _cands(), cmp.Config(bootstrap=500))
+    j = stats.read_claim(m, "claim/hybrid_vs_judge/proof_acc")
+    assert (j.diff, j.low, j.high, j.n) == (pytest.approx(0.75), 0.5, 1.0, 2)
+    assert j.name == "reproduced" and j.paper_effect is None        # CI above 0
+    g = stats.read_claim(m, "claim/hybrid_vs_genselect/proof_acc")
+    assert (g.diff, g.low, g.high, g.name) == (0.0, 0.0, 0.0, "inconclusive")
+    # calls: 5 - 8 on both problems, the paper says fewer (direction -1): reproduced
+    c = stats.read_claim(m, "claim/hybrid_vs_judge/calls")
+    assert (c.diff, c.low, c.high, c.name) == (-3.0, -3.0, -3.0, "reproduced")
+    # a paper effect set in params is carried into the metrics and back (README sentence)
+    cfg = cmp.Config(bootstrap=500, paper_hybrid_vs_judge=0.6)
+    m = cmp.hybrid_claims(_selections(), _cands(), cfg)
+    assert m["claim/hybrid_vs_judge/proof_acc/paper_effect"] == 0.6
+    assert "paper: +0.600" in stats.read_claim(m, "claim/hybrid_vs_judge/proof_acc").sentence()
+    # the rules the paper makes no claim about: difference and CI, no verdict
+    d = cmp.paired_vs_hybrid(_selections(), _cands(), draws=500)
+    assert set(d) == {f"diff/hybrid_{r}_{k}" for r in ("hybrid_lenient", "majority", "random")
+                      for k in ("mean", "ci_low", "ci_high")}
+    assert d["diff/hybrid_random_mean"] == pytest.approx(0.5)       # q-1 is invalid
+    assert d["diff/hybrid_hybrid_lenient_mean"] == 0.0
 
 
 def test_compare_refuses_arms_on_different_problems():
@@ -364,6 +407,10 @@ def test_bad_configs_fail_before_compute():
         sel.Config(method="genselect", backend={"model": "m"}, winner_count=2, out="o")
     with pytest.raises(ValidationError, match="needs `votes`"):
         sel.Config(method="hybrid", backend={"model": "m"}, out="o")
+    with pytest.raises(ValidationError, match="survivor_score = 'parseable' with method = judge"):
+        sel.Config(method="judge", backend={"model": "m"}, survivor_score="parseable", out="o")
+    assert sel.Config(method="hybrid", backend={"model": "m"}, votes="v", out="o"
+                      ).survivor_score == "all"                     # the paper's rule by default
     with pytest.raises(ValidationError, match="repeat"):
         sel.Config(method="judge", backend={"model": "m"}, seeds=[0, 0], out="o")
     with pytest.raises(ValidationError, match="only 'arith'"):
@@ -474,15 +521,32 @@ def test_perfect_oracle_arms_pick_the_only_valid_candidate_within_budget():
 
 def test_oracle_claims_by_hand():
     m = {"hybrid/B64/proof_acc_mean": 0.7, "hybrid/B256/proof_acc_mean": 0.9,
-         "judge/B64/proof_acc_mean": 0.6, "judge/B256/proof_acc_mean": 0.85,
-         "genselect/B256/proof_acc_mean": 0.95}
-    c = oracle.claims(m, [64, 256])
-    assert c["claim_hybrid_ge_judge_every_budget"] == 1.0
-    assert c["hybrid_matches_judge_at"] == 256.0            # 0.7 < 0.85 at 64
-    assert c["claim_hybrid_matches_judge_cheaper"] == 0.0
-    assert c["claim_hybrid_ge_genselect"] == 0.0
+         "judge/B64/proof_acc_mean": 0.6, "judge/B256/proof_acc_mean": 0.85}
+    assert oracle.matches_judge_at(m, [64, 256]) == 256.0            # 0.7 < 0.85 at 64
     m["hybrid/B64/proof_acc_mean"] = 0.86
-    assert oracle.claims(m, [64, 256])["hybrid_matches_judge_at"] == 64.0
+    assert oracle.matches_judge_at(m, [64, 256]) == 64.0
+    assert [p for p, _, _ in oracle.claim_pairs([256, 64])] == [
+        "claim/hybrid_vs_judge/B64/proof_acc", "claim/hybrid_vs_judge/B256/proof_acc",
+        "claim/hybrid_B64_vs_judge_B256/proof_acc", "claim/hybrid_vs_genselect/B256/proof_acc"]
+    # two problems, two seeds; valid per (arm, budget) as seed-0 / seed-1 pairs per problem:
+    #   hybrid B64  p 1/1 q 1/0 -> p 1, q .5     judge B64  p 0/0 q 0/0 -> 0, 0
+    #   hybrid B256 p 1/1 q 1/1 -> 1, 1          judge B256 p 1/1 q 0/1 -> 1, .5
+    #   genselect B256 p 1/1 q 1/1 -> 1, 1
+    valid = {("hybrid", 64): [1, 1, 1, 0], ("judge", 64): [0, 0, 0, 0],
+             ("hybrid", 256): [1, 1, 1, 1], ("judge", 256): [1, 1, 0, 1],
+             ("genselect", 256): [1, 1, 1, 1]}
+    rows = [{"arm": arm, "budget": b, "problem_id": pid, "seed": seed, "valid": bool(v)}
+            for (arm, b), vals in valid.items()
+            for (pid, seed), v in zip([("p", 0), ("p", 1), ("q", 0), ("q", 1)], vals)]
+    c = oracle.claims(pl.DataFrame(rows), [64, 256], draws=500)
+    at64 = stats.read_claim(c, "claim/hybrid_vs_judge/B64/proof_acc")
+    assert (at64.diff, at64.low, at64.n, at64.name) == (0.75, 0.5, 2, "reproduced")  # [1, .5]
+    at256 = stats.read_claim(c, "claim/hybrid_vs_judge/B256/proof_acc")           # [0, .5]
+    assert (at256.diff, at256.low, at256.high, at256.name) == (0.25, 0.0, 0.5, "inconclusive")
+    cheap = stats.read_claim(c, "claim/hybrid_B64_vs_judge_B256/proof_acc")      # [0, 0]
+    assert (cheap.diff, cheap.low, cheap.high, cheap.name) == (0.0, 0.0, 0.0, "inconclusive")
+    gs = stats.read_claim(c, "claim/hybrid_vs_genselect/B256/proof_acc")
+    assert (gs.diff, gs.low, gs.high, gs.name) == (0.0, 0.0, 0.0, "inconclusive")
 
 
 def test_oracle_config_rejects_bad_budgets_before_compute():

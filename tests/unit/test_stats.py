@@ -74,3 +74,54 @@ def test_check_budgets_names_arm_and_key():
     stats.check_budgets({"a": {"rounds": 3}, "b": {"rounds": 3}}, ["rounds"])
     with pytest.raises(ValueError, match=r"arm 'b' ran with rounds = 4 but 'a' with 3"):
         stats.check_budgets({"a": {"rounds": 3}, "b": {"rounds": 4}}, ["rounds"])
+
+
+def test_spearman_ties_nan_and_length_by_hand():
+    # ranks x = 1..5, y = [1, 2, 3, 5, 4]: d^2 sums to 2, rho = 1 - 6*2 / (5*24) = 0.9
+    assert stats.spearman([1, 2, 3, 4, 5], [10, 20, 30, 50, 40]) == pytest.approx(0.9)
+    # y ranks [1.5, 1.5, 3, 4]: Pearson of the ranks = 3 / sqrt(10)
+    assert stats.spearman([1, 2, 3, 4], [0, 0, 1, 2]) == pytest.approx(3 / math.sqrt(10))
+    assert stats.ranks([10.0, 30.0, 20.0, 20.0]) == [1.0, 4.0, 2.5, 2.5]
+    with pytest.raises(ValueError, match="2 x values but 1 y values"):
+        stats.spearman([1, 2], [1])
+
+
+def test_claim_by_key_pairs_by_seed_and_drops_undefined_pairs():
+    # seeds listed in another order on each side: paired by key, d = [2, 3, 4] as in
+    # test_paired_t_interval_by_hand; seed 9 has no value on one side and is dropped
+    c = stats.claim_by_key({2: 7.0, 0: 3.0, 1: 5.0, 9: math.nan},
+                           {0: 1.0, 1: 2.0, 2: 3.0, 9: 4.0}, paper_effect=2.0)
+    assert (c.diff, c.n, c.verdict) == (3.0, 3, 1)
+    assert c.low == pytest.approx(3 - 2.484138, abs=1e-5)
+    with pytest.raises(ValueError, match=r"on one side only: \[3\]"):
+        stats.claim_by_key({0: 1.0, 3: 1.0}, {0: 1.0})
+    none = stats.claim_by_key({0: math.nan}, {0: 1.0}, direction=-1)
+    assert none.verdict == 0 and none.n == 0 and math.isnan(none.diff)
+
+
+def test_claim_by_key_relative_to_the_baseline_mean():
+    # baseline mean 2: d = [2, 3, 4] / 2 = [1, 1.5, 2]: mean 1.5, CI 1.5 +- 2.484138 / 2
+    c = stats.claim_by_key({0: 3.0, 1: 5.0, 2: 7.0}, {0: 1.0, 1: 2.0, 2: 3.0}, relative=True,
+                           paper_effect=0.5)
+    assert c.diff == pytest.approx(1.5)
+    assert (c.low, c.high) == (pytest.approx(1.5 - 1.242069, abs=1e-5),
+                               pytest.approx(1.5 + 1.242069, abs=1e-5))
+    assert c.verdict == 1 and c.paper_effect == 0.5
+    # a zero baseline has no relative change: inconclusive, whatever the paper says
+    zero = stats.claim_by_key({0: 0.0, 1: 1.0}, {0: 0.0, 1: 0.0}, relative=True,
+                              paper_effect=-0.5)
+    assert zero.verdict == 0 and zero.n == 2 and math.isnan(zero.low)
+
+
+def test_claim_metrics_round_trip_without_nan():
+    c = stats.claim([3, 5, 7], [1, 2, 3], paper_effect=2.0)
+    m = stats.claim_metrics(c, "claim/acc")
+    assert m["claim/acc/paper_effect"] == 2.0 and m["claim/acc/verdict"] == 1.0
+    assert stats.read_claim(m, "claim/acc") == c
+    one = stats.claim([0.5], [0.25])                 # one pair: no CI, no MDE, no paper effect
+    m = stats.claim_metrics(one, "x")
+    assert set(m) == {"x/diff", "x/pairs", "x/verdict"}
+    back = stats.read_claim(m, "x")
+    assert back.diff == 0.25 and math.isnan(back.low) and back.paper_effect is None
+    assert back.sentence() == "**inconclusive**: +0.250 [n/a, n/a] over 1 pairs; MDE n/a"
+    assert stats.read_claim({}, "x") is None
