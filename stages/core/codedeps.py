@@ -284,7 +284,10 @@ def import_rule_violations(root: Path) -> list[str]:
     for path in sorted((root / "stages").rglob("*.py")):
         rel = path.relative_to(root)
         owner = rel.parts[1] if len(rel.parts) > 2 else None  # stages/<owner>/...
-        for mod in sorted(direct_imports(root, path)):
+        mods = direct_imports(root, path)
+        for mod in sorted(mods):
+            if any(other.startswith(mod + ".") for other in mods):
+                continue  # `from stages.hsir import hsir`: name the module, not its package too
             parts = mod.split(".")
             target = parts[1] if len(parts) > 1 else None
             if target not in papers or target == owner:
