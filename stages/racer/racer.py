@@ -6,17 +6,25 @@ The method in three lines (spec §2, Zhang et al., ICML 2026, arXiv 2605.10805):
   lambda^2-regularised Lagrangian has one saddle point (Thm 4.1), found by primal-dual steps.
 
 Here (all [reconstructed], listed in pipelines/racer/README.md):
-- The KL ball is used in its penalised form with temperature tau (the spec: "tau replaces
-  delta"), separately for reward (tau_r, accuracy units) and cost (tau_c, cost units):
+- The KL ball is used at a fixed temperature tau (the spec: "tau replaces delta"), separately
+  for reward (tau_r, accuracy units) and cost (tau_c, cost units). The policy step ascends the
+  penalised forms
       R_tau(pi) = min_rho~ E_rho~[f_r] + tau_r KL = -tau_r log E_rho_n exp(-f_r / tau_r)
       C_tau(pi) = max_rho~ E_rho~[f_c] - tau_c KL =  tau_c log E_rho_n exp( f_c / tau_c)
-  whose gradients are the closed-form reweightings w^r, w^c below (Danskin), so the
-  primal-dual fixed point is the optimum of one convex problem (checked against cvxpy).
+  whose gradients are the closed-form reweightings w^r, w^c below (Danskin).
   tau = None means tau -> infinity: the plain average (ERM; the paper's non-robust ACER).
+- The multiplier step holds C_{rho_high}(pi) = E_rho_high[f_c] (`tilted_mean`) to the budget,
+  as Algorithm 1 does: the worst-case expected cost over the KL ball whose radius is
+  KL(rho_high || rho_n). `constraint="penalized"` holds C_tau = C_{rho_high} - tau_c KL instead
+  (weaker). With `penalized` the saddle point is the optimum of one convex problem
+  (`solve_cvxpy`); with `tilted_mean` it is found directly by a 1-D search for lambda*
+  (`solve_lambda_search`) and is the optimum of the convex problem over the ball of that radius
+  (`solve_kl_ball_cvxpy`). Both are checked against `primal_dual` by stage `solver_check`.
 - H(pi) = mean_i H(pi(.|z_i)) (nats); weights are density ratios w = rho~ / rho_n (mean 1).
 - The lambda-step is a projected gradient step on the regularised dual,
-      lambda <- max(0, lambda - eta (beta lambda - (C_tau(pi) - C))),
-  whose eta = 1/beta is the spec's closed form max(0, (C_tau - C)/beta); a smaller eta damps it.
+      lambda <- max(0, lambda - eta (beta lambda - (C_{rho_high}(pi) - C))),
+  whose eta = 1/beta is the spec's closed form max(0, (C_{rho_high} - C)/beta); a smaller eta
+  damps it.
 
 Stage `train_router` (this module's `run`): the MLP router (4 layers on sentence embeddings, as
 the paper) per arm x budget x seed; each outer step reweights a mini-batch (>= 256, spec §6),
@@ -32,7 +40,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -97,6 +105,21 @@ def tilted_mean(values: np.ndarray, tau: float | None, sign: int,
     return float(np.dot(rho_n * kl_tilt_weights(values, tau, sign, rho), values))
 
 
+CONSTRAINTS = ("tilted_mean", "penalized")
+
+
+def constrained_cost(f_c: np.ndarray, tau_c: float | None, constraint: str) -> float:
+    """The cost held to the budget C by the multiplier step and the best-iterate check:
+    `tilted_mean` = C_{rho_high} = E_rho_high[f_c] (Algorithm 1: the worst-case expected cost in
+    the KL ball), `penalized` = C_tau = C_{rho_high} - tau_c KL (weaker). The plain mean when
+    tau_c is None (both coincide)."""
+    if constraint == "tilted_mean":
+        return tilted_mean(f_c, tau_c, +1)
+    if constraint == "penalized":
+        return robust_cost(f_c, tau_c)
+    raise ValueError(f"constraint = {constraint!r}: expected one of {CONSTRAINTS}")
+
+
 def expected(p: np.ndarray, v: np.ndarray) -> np.ndarray:
     """f(z_i; pi) = sum_a pi(a|z_i) v_i(a) with p = pi(1|z): v has shape (n, 2), a in {0, 1}."""
     return (1.0 - p) * v[:, 0] + p * v[:, 1]
@@ -133,7 +156,8 @@ def entropy(p: np.ndarray) -> np.ndarray:
 
 def regularized_objective(p: np.ndarray, r: np.ndarray, c: np.ndarray, budget: float,
                           beta: float, tau_r: float | None, tau_c: float | None) -> float:
-    """max_pi min_{lambda>=0} L_beta = R_tau + beta H - max(0, C_tau - C)^2 / (2 beta)."""
+    """max_pi min_{lambda>=0} L_beta = R_tau + beta H - max(0, C_tau - C)^2 / (2 beta): the
+    objective of the `penalized` constraint (C_tau held to the budget)."""
     f_r, f_c = expected(p, r), expected(p, c)
     excess = max(0.0, robust_cost(f_c, tau_c) - budget)
     return robust_reward(f_r, tau_r) + beta * float(np.mean(entropy(p))) - excess ** 2 / (2 * beta)
@@ -141,12 +165,17 @@ def regularized_objective(p: np.ndarray, r: np.ndarray, c: np.ndarray, budget: f
 
 def primal_dual(r: np.ndarray, c: np.ndarray, budget: float, *, beta: float,
                 tau_r: float | None, tau_c: float | None, iters: int = 500, lam0: float = 0.0,
-                eta: float | None = None, alpha: float = 1.0, tol: float = 0.0) -> dict[str, Any]:
+                eta: float | None = None, alpha: float = 1.0, tol: float = 0.0,
+                constraint: str = "tilted_mean") -> dict[str, Any]:
     """Algorithm 1 on a tabular policy: reweight at pi_t, policy step at lambda_t, multiplier
-    step at pi_{t+1}. Returns p, lambda and the lambda trajectory (for the linear rate).
+    step at pi_{t+1} on `constraint`'s cost (`constrained_cost`): by default C_{rho_high}, the
+    tilted mean, as Algorithm 1 and `train_router` do; `penalized` steps on C_tau instead.
+    Returns p, lambda and the lambda trajectory (for the linear rate).
     alpha < 1 damps the policy step in logit space (a mirror-ascent step: logit <- (1 - alpha)
     logit + alpha * best-response logit); alpha = 1 is the exact policy step of the spec, which
     oscillates when the reweighting moves faster than beta allows."""
+    if constraint not in CONSTRAINTS:
+        raise ValueError(f"constraint = {constraint!r}: expected one of {CONSTRAINTS}")
     n = len(r)
     p = np.full(n, 0.5)
     logit = np.zeros(n)
@@ -161,7 +190,8 @@ def primal_dual(r: np.ndarray, c: np.ndarray, budget: float, *, beta: float,
             target = np.log(np.clip(best, 1e-300, 1)) - np.log(np.clip(1 - best, 1e-300, 1))
             logit = (1 - alpha) * logit + alpha * target
             p = 1.0 / (1.0 + np.exp(-logit))
-        new = multiplier_step(lam, robust_cost(expected(p, c), tau_c), budget, beta, eta)
+        new = multiplier_step(lam, constrained_cost(expected(p, c), tau_c, constraint), budget,
+                              beta, eta)
         lams.append(new)
         done = tol > 0 and abs(new - lam) < tol
         lam = new
@@ -172,7 +202,7 @@ def primal_dual(r: np.ndarray, c: np.ndarray, budget: float, *, beta: float,
 
 def solve_cvxpy(r: np.ndarray, c: np.ndarray, budget: float, *, beta: float,
                 tau_r: float | None, tau_c: float | None) -> dict[str, Any]:
-    """The same regularised problem by a general convex solver:
+    """The `penalized` saddle point by a general convex solver:
     max_p R_tau(p) + beta H(p) - pos(C_tau(p) - C)^2 / (2 beta), 0 <= p <= 1.
     lambda* = max(0, C_tau(p*) - C) / beta (the inner minimisation in closed form)."""
     import cvxpy as cp
@@ -194,6 +224,132 @@ def solve_cvxpy(r: np.ndarray, c: np.ndarray, budget: float, *, beta: float,
     p_star = np.clip(np.asarray(p.value, dtype=np.float64), 0.0, 1.0)
     lam = max(0.0, robust_cost(expected(p_star, c), tau_c) - budget) / beta
     return {"p": p_star, "lam": lam, "value": float(problem.value), "status": problem.status}
+
+
+def lagrangian(p: np.ndarray, r: np.ndarray, c: np.ndarray, lam: float, beta: float,
+               tau_r: float | None, tau_c: float | None) -> float:
+    """R_tau(p) - lam C_tau(p) + beta H(p): the objective the policy step ascends at a fixed
+    multiplier (its gradient in f_r, f_c is the reweighted one, w^r / n and w^c / n, Danskin)."""
+    return (robust_reward(expected(p, r), tau_r) - lam * robust_cost(expected(p, c), tau_c)
+            + beta * float(np.mean(entropy(p))))
+
+
+def _cvx_reward_entropy(r: np.ndarray, p: Any, beta: float, tau_r: float | None) -> Any:
+    """cvxpy expression R_tau(p) + beta H(p) (the reward and entropy terms of every problem)."""
+    import cvxpy as cp
+
+    n = len(r)
+    f_r = r[:, 0] + cp.multiply(r[:, 1] - r[:, 0], p)
+    reward = (cp.sum(f_r) / n if tau_r is None
+              else -tau_r * cp.log_sum_exp(-f_r / tau_r - math.log(n)))
+    return reward + beta * cp.sum(cp.entr(p) + cp.entr(1 - p)) / n
+
+
+def best_response_solver(r: np.ndarray, c: np.ndarray, *, beta: float, tau_r: float | None,
+                         tau_c: float | None) -> Callable[[float], np.ndarray]:
+    """lambda -> argmax_{0 <= p <= 1} R_tau(p) - lambda C_tau(p) + beta H(p), by cvxpy (Clarabel;
+    compiled once, lambda a parameter): the policy step's fixed point at a fixed multiplier, a
+    concave problem with one maximiser when beta > 0."""
+    import cvxpy as cp
+
+    n = len(r)
+    p = cp.Variable(n)
+    lam = cp.Parameter(nonneg=True)
+    f_c = c[:, 0] + cp.multiply(c[:, 1] - c[:, 0], p)
+    cost = cp.sum(f_c) / n if tau_c is None else tau_c * cp.log_sum_exp(f_c / tau_c - math.log(n))
+    problem = cp.Problem(cp.Maximize(_cvx_reward_entropy(r, p, beta, tau_r) - lam * cost),
+                         [p >= 0, p <= 1])
+
+    def solve(value: float) -> np.ndarray:
+        lam.value = float(value)
+        problem.solve(solver=cp.CLARABEL)
+        if p.value is None:
+            raise RuntimeError(f"cvxpy: no best response at lambda = {value} ({problem.status})")
+        return np.clip(np.asarray(p.value, dtype=np.float64), 0.0, 1.0)
+
+    return solve
+
+
+def solve_lambda_search(r: np.ndarray, c: np.ndarray, budget: float, *, beta: float,
+                        tau_r: float | None, tau_c: float | None,
+                        constraint: str = "tilted_mean", xtol: float = 1e-12) -> dict[str, Any]:
+    """The saddle point of Algorithm 1 directly, by a 1-D search for lambda*.
+
+    A fixed point of `primal_dual` is p* = p(lambda*) with p(lambda) the best response
+    (`best_response_solver`) and lambda* = max(0, (G(p(lambda*)) - C) / beta), G the
+    constrained cost (`constrained_cost`: the tilted mean C_{rho_high} or the penalised C_tau).
+    So lambda* = 0 when G(p(0)) <= C, else the root of h(lambda) = beta lambda - (G(p(lambda))
+    - C), bracketed by 0 (h < 0) and (G(p(0)) - C) / beta (h >= 0 when G falls with lambda;
+    else (max c - C) / beta + 1, where h > 0 since G <= max c), found by Brent's method.
+    For `penalized` this is the optimum `solve_cvxpy` finds. For `tilted_mean` no single convex
+    program has this point as its optimum at a fixed tau (the tilted mean is not convex in f_c),
+    but it is the optimum of the convex problem with the KL ball's radius fixed at
+    delta* = KL(rho_high(p*) || rho_n) (`solve_kl_ball_cvxpy`: the ball's worst case at p* is
+    rho_high, and its gradient there the same w^c). Returns p, lam, delta (that radius) and the
+    number of best responses solved."""
+    from scipy.optimize import brentq
+
+    if beta <= 0:
+        raise ValueError(f"beta = {beta}: the search needs beta > 0 (a unique best response)")
+    best_response = best_response_solver(r, c, beta=beta, tau_r=tau_r, tau_c=tau_c)
+    evals = 0
+
+    def cost(lam: float) -> tuple[np.ndarray, float]:
+        nonlocal evals
+        evals += 1
+        p = best_response(lam)
+        return p, constrained_cost(expected(p, c), tau_c, constraint)
+
+    def h(lam: float) -> float:
+        return beta * lam - (cost(lam)[1] - budget)
+
+    p0, g0 = cost(0.0)
+    if g0 <= budget:
+        lam = 0.0
+    else:
+        # h((G(p(0)) - C)/beta) >= 0 when G(p(lambda)) falls with lambda (the usual case, and a
+        # tight bracket keeps the best responses at moderate lambda); else the safe bound
+        hi = (g0 - budget) / beta
+        if h(hi) <= 0:
+            hi = (float(np.max(c)) - budget) / beta + 1.0
+        lam = float(brentq(h, 0.0, hi, xtol=xtol))
+    p = p0 if lam == 0.0 else cost(lam)[0]
+    f_c = expected(p, c)
+    w = kl_tilt_weights(f_c, tau_c, +1)
+    delta = float(np.mean(w * np.log(np.clip(w, 1e-300, None))))   # KL(rho_high || rho_n)
+    return {"p": p, "lam": lam, "delta": delta, "evals": evals}
+
+
+def solve_kl_ball_cvxpy(r: np.ndarray, c: np.ndarray, budget: float, *, beta: float,
+                        tau_r: float | None, delta: float) -> dict[str, Any]:
+    """The regularised problem with the cost constraint over a KL ball of fixed radius delta:
+    max_p R_tau(p) + beta H(p) - pos(C_delta(p) - C)^2 / (2 beta), 0 <= p <= 1, with
+    C_delta(p) = max_{KL(rho~||rho_n) <= delta} E_rho~[f_c] = min_{s > 0} s log E_rho_n
+    exp(f_c / s) + s delta (Lagrange duality of the ball; the minimising s is the temperature
+    whose tilt has KL = delta). C_delta is convex in f_c (a max of linear functions), so this is
+    one convex program: s log E exp(f_c / s) <= v is sum_i rho_n(i) z_i <= s with (f_i - v, s,
+    z_i) in the exponential cone. At delta = KL(rho_high(p*) || rho_n) its optimum is the
+    tilted-mean saddle point (`solve_lambda_search`). lambda* = pos(C_delta(p*) - C) / beta."""
+    import cvxpy as cp
+
+    if delta <= 0:
+        raise ValueError(f"delta = {delta}: the KL ball needs a radius > 0")
+    n = len(r)
+    p = cp.Variable(n)
+    s_, v, z = cp.Variable(pos=True), cp.Variable(), cp.Variable(n)
+    f_c = c[:, 0] + cp.multiply(c[:, 1] - c[:, 0], p)
+    ball = v + s_ * delta                                   # >= C_delta(p), tight at the optimum
+    cons = [p >= 0, p <= 1, cp.sum(z) / n <= s_,
+            cp.constraints.ExpCone(f_c - v, s_ * np.ones(n), z)]
+    objective = (_cvx_reward_entropy(r, p, beta, tau_r)
+                 - cp.square(cp.pos(ball - budget)) / (2 * beta))
+    problem = cp.Problem(cp.Maximize(objective), cons)
+    problem.solve(solver=cp.CLARABEL)
+    if p.value is None:
+        raise RuntimeError(f"cvxpy: no solution ({problem.status})")
+    p_star = np.clip(np.asarray(p.value, dtype=np.float64), 0.0, 1.0)
+    return {"p": p_star, "lam": max(0.0, float(ball.value) - budget) / beta,
+            "tau": float(s_.value), "status": problem.status}
 
 
 def linear_rate(errors: Sequence[float], floor: float = 1e-5) -> tuple[float, float]:
@@ -310,15 +466,6 @@ def policy_loss(logits: Any, r: Any, c: Any, w_r: Any, w_c: Any, lam: float, bet
     logsig = torch.nn.functional.logsigmoid
     ent = -(p * logsig(logits) + (1 - p) * logsig(-logits))   # H(pi(.|z)) in nats
     return -((w_r * f_r).mean() - lam * (w_c * f_c).mean() + beta * ent.mean())
-
-
-def constrained_cost(f_c: np.ndarray, tau_c: float | None, constraint: str) -> float:
-    """The cost held to the budget C (Config.constraint); the plain mean when tau_c is None."""
-    if constraint == "tilted_mean":
-        return tilted_mean(f_c, tau_c, +1)
-    if constraint == "penalized":
-        return robust_cost(f_c, tau_c)
-    raise ValueError(f"constraint = {constraint!r}: expected tilted_mean or penalized")
 
 
 def router_probs(model: Any, x: np.ndarray) -> np.ndarray:

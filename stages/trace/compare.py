@@ -1,14 +1,25 @@
 """Stage `compare` of the TRACE pipeline: tagger, correlation study and RL arms side by side.
 
-Reads the DVC metrics of `label`, `score`, `correlate` and the RL arms and writes
-`report/table.md` (the same table `paperline report` puts in the README), plus the paper's
-claims as measured booleans:
+Reads the DVC metrics of `label`, `score`, `correlate` and the RL arms, and the RL arms'
+per-seed finals (`runs/<arm>/finals.parquet`), and writes `report/table.md` (the same table
+`paperline report` puts in the README). Every claim of the paper (Kim & Yang, arXiv 2605.29656:
+r = 0.74 across models, perplexity ~0.3, length ~0.1 [secondary]; accuracy + TRACE reward 81.4
+vs accuracy-only 76.2 on GSM8K [secondary]) goes through the house claim rule
+(stages.core.stats; metrics `claim/<name>/{diff,ci_low,ci_high,mde,pairs,verdict,paper_effect}`):
 
-- r(TRACE, accuracy) across generators is above each baseline's by a paired bootstrap 95% CI
-  of the difference that excludes 0, and its own CI excludes 0 (paper: 0.74 vs perplexity ~0.3,
-  length ~0.1): `claim_trace_beats_baselines`; `claim_trace_beats_<baseline>` per baseline;
-- the accuracy + TRACE reward ends more accurate than the accuracy-only reward by more than the
-  seed std (paper +5.2 points on GSM8K): `claim_trace_reward_ge_acc`.
+- `trace_correlates`: r(TRACE, accuracy) across generator conditions, its percentile bootstrap
+  95% CI (stage `correlate`) against 0;
+- `trace_beats_neg_ppl`, `trace_beats_length`: r(TRACE) - r(baseline), the paired bootstrap
+  95% CI of the difference (both r on the same resampled conditions) against 0; a higher point
+  estimate alone is not enough;
+- `ppl_beats_length`: the spec's predicted order continued, r(-perplexity) - r(length);
+- `trace_reward_beats_acc`: final accuracy of the accuracy + TRACE reward minus the
+  accuracy-only reward's, paired by seed (t interval, `stats.claim`).
+
+For the correlation claims the CI comes from `correlate`'s bootstrap (`stats.claim_from_ci`), and
+the minimum detectable effect from its spread: `mde_sds` (2.8 = z_0.975 + z_0.80, a two-sided 5%
+test at 80% power under a normal approximation of the bootstrap distribution) x the sd of the
+bootstrap draws; pairs = the number of conditions.
 
     python -m stages trace compare
 """
@@ -21,7 +32,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from stages.core import io
+from stages.core import io, stats
 from stages.trace.trace import LABELS, NAMES
 
 
@@ -30,7 +41,34 @@ class Config(BaseModel):
 
     rl_arms: list[str] = Field(["rl_acc", "rl_trace"], min_length=1,
                                description="RL stages compared (the first is the baseline)")
+    runs: str = Field("runs", description="paths key of the RL runs (<arm>/finals.parquet)")
     report: str = Field("report", description="paths key of the report folder")
+    paper_r_trace: float | None = Field(None, ge=-1, le=1,
+                                        description="paper: Pearson r(TRACE, accuracy)")
+    paper_r_neg_ppl: float | None = Field(None, ge=-1, le=1,
+                                          description="paper: r(perplexity-based score, accuracy)")
+    paper_r_length: float | None = Field(None, ge=-1, le=1,
+                                         description="paper: r(length, accuracy)")
+    paper_rl_gain: float | None = Field(None, ge=-1, le=1, description="paper: final accuracy of "
+                                        "the accuracy + TRACE reward - accuracy-only (accuracy "
+                                        "units)")
+    mde_sds: float = Field(2.8, gt=0, description="MDE of a bootstrap CI = this x the sd of "
+                                                  "the draws (z_0.975 + z_0.80)")
+
+
+# name -> (score, baseline score or None for r itself, text)
+CORRELATION_CLAIMS: dict[str, tuple[str, str | None, str]] = {
+    "trace_correlates": ("trace", None, "TRACE correlates with accuracy across generators "
+                                        "(Pearson r)"),
+    "trace_beats_neg_ppl": ("trace", "neg_ppl", "TRACE tracks accuracy better than perplexity "
+                                                "(r(TRACE) - r(-perplexity))"),
+    "trace_beats_length": ("trace", "length", "TRACE tracks accuracy better than length "
+                                              "(r(TRACE) - r(length))"),
+    "ppl_beats_length": ("neg_ppl", "length", "perplexity tracks accuracy better than length "
+                                              "(the spec's predicted order)"),
+}
+RL_CLAIM = ("trace_reward_beats_acc", "the accuracy + TRACE reward ends more accurate than the "
+                                      "accuracy-only reward (final accuracy, paired by seed)")
 
 
 def gather(ctx: Any, rl_arms: list[str]) -> dict[str, dict[str, Any]]:
@@ -44,35 +82,69 @@ def gather(ctx: Any, rl_arms: list[str]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def claims(metrics: dict[str, dict[str, Any]], rl_arms: list[str]) -> dict[str, float]:
-    """The claims as measured booleans, strict enough not to pass on noise:
-    correlation: the paired bootstrap 95% CI of r(TRACE) - r(baseline) above 0 for each
-    baseline, AND r(TRACE)'s own CI above 0 (a higher point estimate alone is not enough);
-    reward: the TRACE arm's final accuracy above the baseline arm's by more than the larger
-    seed std of the two."""
-    c = metrics["correlate"]
-    r = c.get("pearson/trace", math.nan)
-    low = c.get("ci_low/trace", math.nan)
-    out = {"r_trace": r}
-    for b in ("neg_ppl", "length"):
-        d_low = c.get(f"diff_ci_low/{b}", math.nan)
-        out[f"claim_trace_beats_{b}"] = float(not math.isnan(d_low) and d_low > 0)
-    d_low = c.get("diff_ci_low/neg_ppl_vs_length", math.nan)   # the spec's r(PPL) > r(length)
-    out["claim_ppl_beats_length"] = float(not math.isnan(d_low) and d_low > 0)
-    out["claim_trace_beats_baselines"] = float(
-        not math.isnan(low) and low > 0
-        and out["claim_trace_beats_neg_ppl"] == 1.0 and out["claim_trace_beats_length"] == 1.0)
-    acc = [metrics[a].get("final_acc_mean", math.nan) for a in rl_arms]
-    std = [metrics[a].get("final_acc_std", math.nan) for a in rl_arms]
-    if len(acc) >= 2:
-        out["rl_gain"] = acc[-1] - acc[0]
-        out["claim_trace_reward_ge_acc"] = float(out["rl_gain"] > max(std[0], std[-1]))
+def final_acc_by_seed(ctx: Any, runs: str, arm: str) -> dict[int, float]:
+    """{seed: final accuracy} of one RL arm, from its `finals.parquet`."""
+    import polars as pl
+
+    path = ctx.path(runs) / arm / "finals.parquet"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: missing; run stage {arm!r} first")
+    finals = pl.read_parquet(path)
+    if missing := {"seed", "final_acc"} - set(finals.columns):
+        raise ValueError(f"{path}: columns {sorted(missing)} missing (written by stage {arm!r})")
+    return {int(s): float(a) for s, a in zip(finals["seed"], finals["final_acc"])}
+
+
+def _paper(cfg: Config, score: str) -> float | None:
+    return {"trace": cfg.paper_r_trace, "neg_ppl": cfg.paper_r_neg_ppl,
+            "length": cfg.paper_r_length}[score]
+
+
+def correlation_claims(cor: dict[str, Any], cfg: Config) -> dict[str, float]:
+    """The correlation claims from `correlate`'s bootstrap CIs (`stats.claim_from_ci`; module
+    doc): the paper's effect is its r, or the difference of its two r."""
+    out: dict[str, float] = {}
+    n = int(cor.get("conditions", 0))
+    for name, (score, base, _) in CORRELATION_CLAIMS.items():
+        if base is None:
+            diff = cor.get(f"pearson/{score}", math.nan)
+            low, high = cor.get(f"ci_low/{score}", math.nan), cor.get(f"ci_high/{score}", math.nan)
+            sd = cor.get(f"boot_sd/{score}", math.nan)
+            paper = _paper(cfg, score)
+        else:
+            key = base if score == "trace" else f"{score}_vs_{base}"
+            diff = cor.get(f"pearson/{score}", math.nan) - cor.get(f"pearson/{base}", math.nan)
+            low = cor.get(f"diff_ci_low/{key}", math.nan)
+            high = cor.get(f"diff_ci_high/{key}", math.nan)
+            sd = cor.get(f"diff_boot_sd/{key}", math.nan)
+            p_s, p_b = _paper(cfg, score), _paper(cfg, base)
+            paper = None if p_s is None or p_b is None else p_s - p_b
+        got = stats.claim_from_ci(diff, low, high, n=n, direction=+1, paper_effect=paper,
+                                  mde_value=cfg.mde_sds * sd)
+        out |= stats.claim_metrics(got, f"claim/{name}")
     return out
+
+
+def rl_claim(final_acc: dict[str, dict[int, float]], rl_arms: list[str], cfg: Config
+             ) -> dict[str, float]:
+    """The last RL arm against the first, final accuracy paired by seed (`stats.claim_by_key`)."""
+    if len(rl_arms) < 2:
+        return {}
+    got = stats.claim_by_key(final_acc[rl_arms[-1]], final_acc[rl_arms[0]], direction=+1,
+                             paper_effect=cfg.paper_rl_gain)
+    return stats.claim_metrics(got, f"claim/{RL_CLAIM[0]}")
+
+
+def claims(metrics: dict[str, dict[str, Any]], final_acc: dict[str, dict[int, float]],
+           cfg: Config) -> dict[str, float]:
+    """Every claim of the module doc, as `claim/<name>/...` metrics."""
+    return correlation_claims(metrics["correlate"], cfg) | rl_claim(final_acc, cfg.rl_arms, cfg)
 
 
 def run(cfg: Config, ctx: Any) -> dict[str, float]:
     metrics = gather(ctx, cfg.rl_arms)
-    m = claims(metrics, cfg.rl_arms)
+    final_acc = {a: final_acc_by_seed(ctx, cfg.runs, a) for a in cfg.rl_arms}
+    m = claims(metrics, final_acc, cfg)
     with io.atomic_path(ctx.path(cfg.report), is_dir=True) as tmp:
         io.write_text(tmp / "table.md", results_table({**metrics, "compare": m}))
     return m
@@ -136,27 +208,14 @@ def results_table(metrics: dict[str, dict[str, Any]]) -> str:
                          f"{pm('final_acc')} | {pm('initial_trace')} | {pm('final_trace')} | "
                          f"{_f(r.get('final_len_mean'), '.0f')} | {r.get('seeds', 0):.0f} |")
     cm = metrics.get("compare", {})
-    if cm:
-        lines += ["", f"Claim 'TRACE correlates with accuracy better than perplexity and length': "
-                      f"{'reproduced' if cm.get('claim_trace_beats_baselines') else 'not reproduced'}"
-                      f" (r = {_f(cm.get('r_trace'))}; needs the paired bootstrap CI of "
-                      f"r(TRACE) − r(baseline) above 0 for both baselines, and r's CI above 0)."]
-        for b, name in (("neg_ppl", "−perplexity"), ("length", "length")):
-            diff = cor.get("pearson/trace", math.nan) - cor.get(f"pearson/{b}", math.nan)
-            lines.append(f"- vs {name}: r(TRACE) − r = {_f(diff, '+.2f')}, paired 95% CI "
-                         f"[{_f(cor.get(f'diff_ci_low/{b}'), '+.2f')}, "
-                         f"{_f(cor.get(f'diff_ci_high/{b}'), '+.2f')}]: "
-                         f"{'higher' if cm.get(f'claim_trace_beats_{b}') else 'not shown higher'}.")
-        if "diff_ci_low/neg_ppl_vs_length" in cor:
-            diff = cor.get("pearson/neg_ppl", math.nan) - cor.get("pearson/length", math.nan)
-            lines.append(f"- the spec's next step, −perplexity vs length: r − r = "
-                         f"{_f(diff, '+.2f')}, paired 95% CI "
-                         f"[{_f(cor.get('diff_ci_low/neg_ppl_vs_length'), '+.2f')}, "
-                         f"{_f(cor.get('diff_ci_high/neg_ppl_vs_length'), '+.2f')}]: "
-                         f"{'higher' if cm.get('claim_ppl_beats_length') else 'not shown higher'}.")
-        if "claim_trace_reward_ge_acc" in cm:
-            lines.append(f"Claim 'accuracy + TRACE reward beats accuracy-only': "
-                         f"{'reproduced' if cm['claim_trace_reward_ge_acc'] else 'not reproduced'}"
-                         f" (accuracy gain {_f(cm.get('rl_gain'), '+.3f')}; needs a gain above "
-                         f"the seed std).")
+    claimed = [(text, stats.read_claim(cm, f"claim/{name}")) for name, text in
+               [(n, c[2]) for n, c in CORRELATION_CLAIMS.items()] + [RL_CLAIM]]
+    if any(c is not None for _, c in claimed):
+        lines += ["", "Claims, by the house rule (95% CI of the difference: reproduced when it "
+                      "excludes 0 in the paper's direction, contradicted when it excludes 0 the "
+                      "other way or excludes the paper's effect, else inconclusive). Correlations: "
+                      "percentile bootstrap over the conditions (paired for differences; pairs = "
+                      "conditions; MDE = `compare.mde_sds`, 2.8, x the sd of the bootstrap "
+                      "draws); RL: t interval over seeds:", ""]
+        lines += [f"- {text}: {c.sentence()}" for text, c in claimed if c is not None]
     return "\n".join(lines) + "\n"

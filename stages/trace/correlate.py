@@ -4,12 +4,15 @@ Paper: across 7 reasoning models, mean TRACE vs benchmark accuracy, Pearson r = 
 r ~ 0.3, length r ~ 0.1 [secondary]). Here (spec §4 "Correlation study"), over the generator
 conditions of stage `score` (policy checkpoint x temperature):
 
-- Pearson and Spearman r of mean TRACE vs accuracy, with a bootstrap 95% CI over conditions
-  (few points, so Spearman too); the same for the baselines, each oriented so that higher
-  should mean better: negative perplexity (-exp(mean NLL)) and response length;
+- Pearson and Spearman r (stages.core.stats) of mean TRACE vs accuracy, with a percentile
+  bootstrap 95% CI over conditions (`stats.percentile_ci`; few points, so Spearman too); the
+  same for the baselines, each oriented so that higher should mean better: negative perplexity
+  (-exp(mean NLL)) and response length;
 - TRACE vs each baseline: a paired bootstrap 95% CI of r(TRACE) - r(baseline) (both r on the
-  same resampled conditions); "TRACE tracks accuracy better" needs that CI above 0, not only a
-  higher point estimate (with 8 conditions the single-score CIs are wide and overlap);
+  same resampled conditions) and the sd of its draws (`diff_boot_sd/*`, `boot_sd/*` for each r:
+  the spread stage `compare` turns into a minimum detectable effect); "TRACE tracks accuracy
+  better" needs that CI above 0 (the claim rule of `compare`), not only a higher point
+  estimate (with 8 conditions the single-score CIs are wide and overlap);
 - per sample: point-biserial r (Pearson with the 0/1 correctness) of each score;
 - best-of-N reranking inside each condition: pick the sample with the highest TRACE vs a random
   pick (the expected accuracy of one sample) vs the longest, and the oracle (pass@N).
@@ -20,13 +23,12 @@ conditions of stage `score` (policy checkpoint x temperature):
 from __future__ import annotations
 
 import math
-import random
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import polars as pl
 from pydantic import BaseModel, ConfigDict, Field
 
-from stages.core import io
+from stages.core import io, stats
 
 SCORES = ("trace", "neg_ppl", "length")
 SAMPLE_COLUMNS = {"condition", "id", "sample", "mix", "steps", "temperature", "correct", "nll",
@@ -42,65 +44,44 @@ class Config(BaseModel):
     plot: str = Field("plots/trace_vs_acc.csv", description="plot CSV, relative to the pipeline")
 
 
-def pearson(x: Sequence[float], y: Sequence[float]) -> float:
-    """Pearson r; NaN when either side is constant or there are < 2 points."""
-    n = len(x)
-    if n < 2:
-        return math.nan
-    mx, my = sum(x) / n, sum(y) / n
-    sxy = sum((a - mx) * (b - my) for a, b in zip(x, y))
-    sxx = sum((a - mx) ** 2 for a in x)
-    syy = sum((b - my) ** 2 for b in y)
-    return sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else math.nan
+class Bootstrap(NamedTuple):
+    """A percentile 95% bootstrap CI and the sd of the finite draws it was read from."""
+
+    low: float
+    high: float
+    sd: float
 
 
-def ranks(values: Sequence[float]) -> list[float]:
-    """Average ranks (1-based), ties share the mean rank."""
-    order = sorted(range(len(values)), key=lambda i: values[i])
-    out = [0.0] * len(values)
-    i = 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
-            j += 1
-        for k in range(i, j + 1):
-            out[order[k]] = (i + j) / 2 + 1
-        i = j + 1
-    return out
+def bootstrap(n_points: int, stat: Callable[[list[int]], float], draws: int, seed: int = 0
+              ) -> Bootstrap:
+    """`stats.percentile_ci` of `stat(picked indices)` (the same draws), plus the population sd
+    of its finite draws: the spread the compare stage turns into a minimum detectable effect
+    (2.8 sd, stats.claim_from_ci)."""
+    seen: list[float] = []
+
+    def recorded(p: list[int]) -> float:
+        v = stat(p)
+        if math.isfinite(v):
+            seen.append(v)
+        return v
+    low, high = stats.percentile_ci(n_points, recorded, draws, seed)
+    return Bootstrap(low, high, stats.mean_std(seen)[1])
 
 
-def spearman(x: Sequence[float], y: Sequence[float]) -> float:
-    return pearson(ranks(x), ranks(y))
-
-
-def percentile_ci(n_points: int, stat: Callable[[list[int]], float], draws: int, seed: int = 0
-                  ) -> tuple[float, float]:
-    """Percentile 95% CI of `stat(picked indices)` over `draws` resamples of the points with
-    replacement; NaN draws are dropped (NaN, NaN when none is left)."""
-    rng = random.Random(seed)
-    idx = range(n_points)
-    vals = [v for v in (stat([rng.choice(idx) for _ in idx]) for _ in range(draws))
-            if not math.isnan(v)]
-    if not vals:
-        return math.nan, math.nan
-    vals.sort()
-    return vals[int(0.025 * (len(vals) - 1))], vals[int(0.975 * (len(vals) - 1))]
-
-
-def bootstrap_ci(x: Sequence[float], y: Sequence[float], n: int, seed: int = 0
-                 ) -> tuple[float, float]:
+def bootstrap_ci(x: Sequence[float], y: Sequence[float], n: int, seed: int = 0) -> Bootstrap:
     """Percentile 95% CI of Pearson r over resampled (x, y) points."""
-    return percentile_ci(len(x), lambda p: pearson([x[i] for i in p], [y[i] for i in p]), n, seed)
+    return bootstrap(len(x), lambda p: stats.pearson([x[i] for i in p], [y[i] for i in p]), n,
+                     seed)
 
 
 def bootstrap_diff_ci(x: Sequence[float], z: Sequence[float], y: Sequence[float], n: int,
-                      seed: int = 0) -> tuple[float, float]:
+                      seed: int = 0) -> Bootstrap:
     """Paired percentile 95% CI of r(x, y) - r(z, y): each draw resamples the points once and
     computes both r on them, so what the two scores share cancels."""
     def diff(p: list[int]) -> float:
         ys = [y[i] for i in p]
-        return pearson([x[i] for i in p], ys) - pearson([z[i] for i in p], ys)
-    return percentile_ci(len(x), diff, n, seed)
+        return stats.pearson([x[i] for i in p], ys) - stats.pearson([z[i] for i in p], ys)
+    return bootstrap(len(x), diff, n, seed)
 
 
 def per_condition(samples: pl.DataFrame) -> pl.DataFrame:
@@ -144,19 +125,22 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     correct = per_sample["correct"].cast(pl.Float64).to_list()
     for s in SCORES:
         xs = cond[s].to_list()
-        m[f"pearson/{s}"] = pearson(xs, acc)
-        m[f"spearman/{s}"] = spearman(xs, acc)
+        m[f"pearson/{s}"] = stats.pearson(xs, acc)
+        m[f"spearman/{s}"] = stats.spearman(xs, acc)
         if cfg.bootstrap:
-            m[f"ci_low/{s}"], m[f"ci_high/{s}"] = bootstrap_ci(xs, acc, cfg.bootstrap, ctx.seed)
-        m[f"point_biserial/{s}"] = pearson(per_sample[s].cast(pl.Float64).to_list(), correct)
+            m[f"ci_low/{s}"], m[f"ci_high/{s}"], m[f"boot_sd/{s}"] = bootstrap_ci(
+                xs, acc, cfg.bootstrap, ctx.seed)
+        m[f"point_biserial/{s}"] = stats.pearson(per_sample[s].cast(pl.Float64).to_list(),
+                                                 correct)
     if cfg.bootstrap:
         for s in SCORES[1:]:
-            m[f"diff_ci_low/{s}"], m[f"diff_ci_high/{s}"] = bootstrap_diff_ci(
-                cond["trace"].to_list(), cond[s].to_list(), acc, cfg.bootstrap, ctx.seed)
+            m[f"diff_ci_low/{s}"], m[f"diff_ci_high/{s}"], m[f"diff_boot_sd/{s}"] = \
+                bootstrap_diff_ci(cond["trace"].to_list(), cond[s].to_list(), acc,
+                                  cfg.bootstrap, ctx.seed)
         # the spec's predicted order continues r(PPL) > r(length): the same paired test
-        m["diff_ci_low/neg_ppl_vs_length"], m["diff_ci_high/neg_ppl_vs_length"] = \
-            bootstrap_diff_ci(cond["neg_ppl"].to_list(), cond["length"].to_list(), acc,
-                              cfg.bootstrap, ctx.seed)
+        (m["diff_ci_low/neg_ppl_vs_length"], m["diff_ci_high/neg_ppl_vs_length"],
+         m["diff_boot_sd/neg_ppl_vs_length"]) = bootstrap_diff_ci(
+            cond["neg_ppl"].to_list(), cond["length"].to_list(), acc, cfg.bootstrap, ctx.seed)
     m |= best_of_n(samples)
     for r in cond.iter_rows(named=True):
         m[f"{r['condition']}/acc"] = r["acc"]

@@ -51,6 +51,10 @@ def test_solver_check_matches_cvxpy(racer_repo: Path):
     s = json.loads((racer_repo / P / "metrics/solver_check.json").read_text())
     assert s["max_abs_dp"] < 1e-2
     assert s["max_rate"] < 1.0
+    # the default constraint (Algorithm 1's tilted mean) names the metrics and is certified by
+    # the KL-ball convex program
+    assert "tilted_mean/racer/beta0.1/abs_dlambda" in s
+    assert s["max_ball_abs_dp"] < 1e-2
 
 
 def test_evaluate_readme_and_registry(racer_repo: Path):
@@ -60,9 +64,18 @@ def test_evaluate_readme_and_registry(racer_repo: Path):
             assert 0.0 <= m[f"{method}/C1.3/{split}/acc_mean"] <= 1.0
             assert 0.0 <= m[f"{method}/C1.3/{split}/violation_rate"] <= 1.0
     assert m["always_reasoning/test_hard/cost_mean"] > m["always_direct/test_hard/cost_mean"]
+    # every claim through the house rule: a verdict, a CI, the MDE and the pairs (budget x seed)
+    for name in ("reasoning_gain", "erm_overspends", "racer_within_budget", "racer_acc_vs_erm",
+                 "racer_acc_vs_threshold", "racer_acc_vs_always_reasoning"):
+        assert m[f"claim/{name}/verdict"] in (-1.0, 0.0, 1.0)
+    assert m["claim/racer_acc_vs_erm/pairs"] == 4                # smoke: 2 budgets x 2 seeds
+    assert m["claim/reasoning_gain/pairs"] == 32                 # test_hard items
+    assert m["claim/racer_acc_vs_threshold/paper_effect"] == 0.011
+    assert not any(k.startswith("claim_") for k in m)
     readme = (racer_repo / P / "README.md").read_text()
     block = readme.split("<!-- results:start")[1].split("<!-- results:end")[0]
     assert "| racer |" in block and f"{m['racer/C1.3/test_hard/acc_mean']:.3f}" in block
+    assert "ERM (ACER) breaks the budget under the shift (cost - C > 0): **" in block
 
     proc = paperline(racer_repo, "compare", "racer")
     assert proc.returncode == 0, proc.stderr[-2000:]

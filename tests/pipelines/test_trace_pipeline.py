@@ -67,6 +67,14 @@ def test_rl_arms_compare_readme_and_registry(trace_repo: Path):
     block = readme.split("<!-- results:start")[1].split("<!-- results:end")[0]
     lab = json.loads((trace_repo / P / "metrics/label.json").read_text())
     assert f"| {lab['macro_f1']:.3f} |" in block and "| rl_trace | 0.5 |" in block
+    cm = json.loads((trace_repo / P / "metrics/compare.json").read_text())
+    for name in ("trace_correlates", "trace_beats_neg_ppl", "trace_beats_length",
+                 "ppl_beats_length", "trace_reward_beats_acc"):
+        assert cm[f"claim/{name}/verdict"] in (-1.0, 0.0, 1.0)
+    assert cm["claim/trace_reward_beats_acc/pairs"] == 2          # smoke: 2 seeds
+    assert cm["claim/trace_beats_length/pairs"] == len(CONDITIONS)
+    assert not any(k.startswith("claim_") for k in cm)
+    assert "TRACE correlates with accuracy across generators (Pearson r): **" in block
     proc = paperline(trace_repo, "compare", "trace")
     assert proc.returncode == 0, proc.stderr[-2000:]
     client = mlflow_client(trace_repo)
