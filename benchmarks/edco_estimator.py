@@ -57,6 +57,7 @@ def main() -> None:
 
     import torch
 
+    from stages.core.stats import spearman
     from stages.models.base import set_threads
     from stages.models.generate import load_model
     from stages.edco import edco
@@ -90,7 +91,7 @@ def main() -> None:
              "| Spearman rho vs full |", "|---|---|---|---|---|"]
     for arm in arms:
         red = "-" if arm == "full" else f"{1 - med[arm] / med['full']:.1%}"
-        rho = "-" if arm == "full" else f"{edco.spearman(scores[arm], scores['full']):+.3f}"
+        rho = "-" if arm == "full" else f"{spearman(scores[arm], scores['full']):+.3f}"
         lines.append(f"| {arm} | {tokens[arm]:.1f} | {1000 * med[arm] / len(prompts):.2f} "
                      f"| {red} | {rho} |")
     body = (f"`.venv/bin/python benchmarks/edco_estimator.py --items {args.items} --lengths "

@@ -4,8 +4,9 @@
 
 Same model, same prompts, same seed, same budget (prompts x G per round, minibatches, passes) for:
   stock      `trl.GRPOTrainer` as shipped (the reference step)
-  clip       paperline's VerifierGRPOTrainer with TRL's clipped loss + ratio diagnostics
-  r2vpo      the R²VPO loss and dual step, fresh data only
+  clip       the engine's GRPOTrainer (stages.train.grpo_trainer): TRL's clipped loss + ratio
+             diagnostics
+  r2vpo      R2VPOTrainer (stages.r2vpo.trainer): the R²VPO loss and dual step, fresh data only
   r2vpo+rep  R²VPO with 2 rounds of replay (each step also trains on replayed rows)
   h-grpo     clipped GRPO + H-GRPO's InDiv reward bonus (one extra forward pass with attentions
              over each round's completions)
@@ -39,17 +40,19 @@ def one_run(kind: str, model_dir: Path, rows: list[dict], args: argparse.Namespa
     from transformers import set_seed
     from trl import GRPOConfig, GRPOTrainer
 
+    from stages.hsir.rl import GroupBonus
     from stages.models.generate import load_model
-    from stages.train.grpo import GRPOParams, _trainer_class, verifier_reward
+    from stages.r2vpo.rl import Config as R2VPOArm
+    from stages.r2vpo.rl import trainer_class
+    from stages.train.grpo import verifier_reward
 
     set_seed(0)
     model, tokenizer = load_model(model_dir)
     model.train()
-    params = GRPOParams(policy_loss="r2vpo" if kind.startswith("r2vpo") else "clip",
-                        bonus="indiv" if kind == "h-grpo" else "none",
-                        replay_batches=2 if kind == "r2vpo+rep" else 0,
-                        prompts_per_round=args.prompts, num_generations=args.generations,
-                        minibatches=2, num_iterations=4, max_completion_length=64)
+    params = R2VPOArm(policy_loss="r2vpo" if kind.startswith("r2vpo") else "clip",
+                      replay_batches=2 if kind == "r2vpo+rep" else 0,
+                      prompts_per_round=args.prompts, num_generations=args.generations,
+                      minibatches=2, num_iterations=4, max_completion_length=64)
     steps = args.rounds * params.steps_per_round
     with tempfile.TemporaryDirectory() as scratch:
         config = GRPOConfig(
@@ -63,13 +66,12 @@ def one_run(kind: str, model_dir: Path, rows: list[dict], args: argparse.Namespa
         ds = Dataset.from_list([{"prompt": r["prompt"], "answer": int(r["answer"])} for r in rows])
         rewards = [verifier_reward("arith")]
         if kind == "h-grpo":
-            from stages.train.grpo import bonus_reward
-
-            rewards.append(bonus_reward("indiv", 0.2, args.generations, "arith", model, tokenizer))
+            rewards.append(GroupBonus("indiv", 0.2, args.generations, "arith").bind(model,
+                                                                                   tokenizer))
         common = dict(model=model, processing_class=tokenizer, args=config, train_dataset=ds,
                       reward_funcs=rewards)
         trainer = (GRPOTrainer(**common) if kind == "stock"
-                   else _trainer_class()(**common, params=params))
+                   else trainer_class(params.policy_loss)(**common, params=params))
         started = time.perf_counter()
         trainer.train()
         wall = time.perf_counter() - started

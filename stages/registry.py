@@ -15,21 +15,22 @@ STAGES: dict[str, dict[str, str]] = {
         "base": "stages.models.base",
         "evaluate": "stages.evaluate.accuracy",
     },
-    # R²VPO (ratio-variance constraint) vs clipped GRPO/PPO: every LLM arm is the shared GRPO
-    # trainer with its own params section; `control` is the SB3 continuous-control arm.
+    # R²VPO (ratio-variance constraint) vs clipped GRPO/PPO: every LLM arm is stages.r2vpo.rl
+    # (the shared GRPO engine; policy_loss picks the trainer class) with its own params section;
+    # `control` is the SB3 continuous-control arm.
     "r2vpo": {
         "prompts": "stages.tasks.prompts",
-        "grpo": "stages.train.grpo",
-        "grpo_replay": "stages.train.grpo",
-        "r2vpo": "stages.train.grpo",
-        "r2vpo_fixed_lambda": "stages.train.grpo",
-        "r2vpo_no_replay": "stages.train.grpo",
+        "grpo": "stages.r2vpo.rl",
+        "grpo_replay": "stages.r2vpo.rl",
+        "r2vpo": "stages.r2vpo.rl",
+        "r2vpo_fixed_lambda": "stages.r2vpo.rl",
+        "r2vpo_no_replay": "stages.r2vpo.rl",
         "control": "stages.r2vpo.control",
         "compare": "stages.r2vpo.compare",
     },
     # HSIR (VeriExit + InDiv self-improvement) vs STaR / ReST-EM / a length filter, and H-GRPO vs
     # GRPO / GRPO + length penalty: every self-training arm is `self_improve` with its own pool
-    # rule, every RL arm the shared GRPO trainer with its own reward bonus.
+    # rule, every RL arm `stages.hsir.rl` (the shared GRPO engine) with its own reward bonus.
     "hsir": {
         "prompts": "stages.tasks.prompts",
         "hard_prompts": "stages.tasks.prompts",
@@ -40,9 +41,9 @@ STAGES: dict[str, dict[str, str]] = {
         "indiv": "stages.hsir.self_improve",
         "hsir": "stages.hsir.self_improve",
         "length_filter": "stages.hsir.self_improve",
-        "grpo": "stages.train.grpo",
-        "h_grpo": "stages.train.grpo",
-        "grpo_length": "stages.train.grpo",
+        "grpo": "stages.hsir.rl",
+        "h_grpo": "stages.hsir.rl",
+        "grpo_length": "stages.hsir.rl",
         "compare": "stages.hsir.compare",
     },
     # BIS: Monte Carlo-annotated rollouts -> subsets chosen by the Balanced-Information Score
@@ -73,20 +74,23 @@ STAGES: dict[str, dict[str, str]] = {
         "compare": "stages.edco.compare",
     },
     # ProofVerify: candidates labelled by the exact verifier (proof-level and final-answer) ->
-    # a tiny judge + GenSelect selector -> pure Judge, pure GenSelect knockout, their Hybrid
-    # (one module, three params sections) -> compare with majority vote and a random pick.
+    # a tiny judge + GenSelect selector -> pure Judge, pure GenSelect knockout, their Hybrid and
+    # its lenient-score ablation (one module, four params sections) -> compare with majority vote
+    # and a random pick.
     "proofverify": {
         "candidates": "stages.proofverify.candidates",
         "train_judge": "stages.proofverify.train_judge",
         "judge": "stages.proofverify.select",
         "genselect": "stages.proofverify.select",
         "hybrid": "stages.proofverify.select",
+        "hybrid_lenient": "stages.proofverify.select",
         "oracle": "stages.proofverify.oracle",
         "compare": "stages.proofverify.compare",
     },
     # RACER: two judges fine-tuned from the base model (direct yes/no vs recompute-then-verdict),
     # their offline outcomes, MiniLM features, budgeted DRO routers (primal-dual) vs ERM and
-    # baselines under a difficulty shift, and the solver checked against cvxpy.
+    # baselines under a difficulty shift, and the tabular solver checked against a direct
+    # solution (a 1-D search for lambda* and the KL-ball convex program, cvxpy).
     "racer": {
         "judges": "stages.racer.judges",
         "judge_outcomes": "stages.racer.outcomes",

@@ -28,9 +28,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
-import polars as pl
+if TYPE_CHECKING:  # polars is imported where a frame is read: `python -m stages` imports this
+    import polars as pl  # module for DataValidationError, also for stages that read no table
 
 log = logging.getLogger("paperline")
 
@@ -118,6 +119,8 @@ def _gx() -> dict[str, Any]:
 
 
 def _pandas_dtype_name(dtype: Any) -> str:
+    import polars as pl
+
     return str(pl.DataFrame(schema={"c": dtype}).to_pandas().dtypes["c"])
 
 
@@ -295,6 +298,8 @@ def _check_balance(df: pl.DataFrame, spec: FrameSpec, name: str) -> None:
 
 def read_parquet_checked(path: str | os.PathLike[str], spec: FrameSpec) -> pl.DataFrame:
     """Read a parquet input and validate it against `spec`; every defect is a DataValidationError."""
+    import polars as pl
+
     p = Path(path)
     name = str(path)
     if not p.exists():

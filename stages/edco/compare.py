@@ -14,6 +14,12 @@ selection's share of label-noise rows (spec "noise magnet"; the pool's base rate
 next to it) and rows new to the curriculum. Estimator: Spearman rho of each prefix length's
 score against the full-answer score, and the wall-time reduction (paper: 83.5%).
 
+Claims (`stages.core.stats.claim`, final held-out accuracy paired by seed, 95% t interval, as
+a fraction (0.065 = 6.5 points); +1 reproduced, 0 inconclusive, -1 contradicted, with the
+minimum detectable effect): RL, EDCO above Random (paper: +6.5 points, Datacom, arXiv
+2601.03725); SFT, EDCO above Random, and the order EDCO >= PPL >= Random (EDCO above the
+static perplexity order, which is above Random; the paper gives no SFT baseline numbers).
+
 Outputs: report/ (table.md, acc_by_round.png), plots/acc_by_round.csv, flat metrics.
 """
 
@@ -22,11 +28,13 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from stages.core import io
+from stages.core.stats import (Claim, check_budgets, claim_by_key, claim_metrics, mean_std,
+                               read_claim)
 
 SFT_BUDGET_KEYS = ("rounds", "top_n", "batch_size", "steps_per_round", "lr", "warmup",
                    "min_lr_ratio", "weight_decay", "pool_size")
@@ -50,6 +58,18 @@ class Config(BaseModel):
     report: str = Field("report", description="paths key of the report folder")
     plot: str = Field("plots/acc_by_round.csv", description="plot CSV, relative to the "
                                                             "pipeline folder")
+    sft_method: str = Field("sft_edco", description="the paper's method among `sft_arms`; the "
+                                                    "claims test it against `sft_baseline`")
+    sft_ppl: str | None = Field("sft_ppl", description="the static perplexity order among "
+                                                       "`sft_arms` (claims: EDCO >= PPL >= "
+                                                       "the baseline; None: untested)")
+    rl_method: str | None = Field("rl_edco", description="the paper's method among `rl_arms`")
+    paper_sft_gain: float | None = Field(
+        None, ge=-1, le=1, description="the paper's final-accuracy gain of EDCO over the SFT "
+                                       "baseline, as a fraction (None: not stated)")
+    paper_rl_gain: float | None = Field(
+        0.065, ge=-1, le=1, description="the paper's final-accuracy gain of EDCO over the RL "
+                                        "baseline, as a fraction (0.065: 6.5 points)")
 
     @field_validator("sft_arms", "rl_arms")
     @classmethod
@@ -64,32 +84,19 @@ class Config(BaseModel):
             raise ValueError(f"sft_baseline {self.sft_baseline!r} is not one of {self.sft_arms}")
         if self.rl_arms and self.rl_baseline not in self.rl_arms:
             raise ValueError(f"rl_baseline {self.rl_baseline!r} is not one of {self.rl_arms}")
+        for name, arms, base in (("sft_method", self.sft_arms, self.sft_baseline),
+                                 ("sft_ppl", self.sft_arms, self.sft_baseline),
+                                 ("rl_method", self.rl_arms, self.rl_baseline)):
+            arm = getattr(self, name)
+            if arm is not None and arms and (arm not in arms or arm == base):
+                raise ValueError(f"{name} {arm!r} must be one of {arms} other than the "
+                                 f"baseline {base!r}")
+        if self.sft_ppl is not None and self.sft_ppl == self.sft_method:
+            raise ValueError(f"sft_ppl and sft_method are both {self.sft_ppl!r}")
         if set(self.sft_arms) & set(self.rl_arms):
             raise ValueError(f"{sorted(set(self.sft_arms) & set(self.rl_arms))} are listed as "
                              f"both SFT and RL arms")
         return self
-
-
-def mean_std(values: Sequence[float]) -> tuple[float, float]:
-    """Mean and population std (ddof=0) over the finite values (NaN, NaN when none)."""
-    finite = [float(v) for v in values if v is not None and math.isfinite(float(v))]
-    if not finite:
-        return math.nan, math.nan
-    mean = sum(finite) / len(finite)
-    return mean, math.sqrt(sum((v - mean) ** 2 for v in finite) / len(finite))
-
-
-def check_budgets(budgets: dict[str, dict[str, Any]], keys: Sequence[str]) -> None:
-    """Raise ValueError naming the arm and the key when arms ran at different budgets."""
-    if not budgets:
-        return
-    first_arm, first = next(iter(budgets.items()))
-    for arm, budget in budgets.items():
-        for key in keys:
-            if budget.get(key) != first.get(key):
-                raise ValueError(f"arm {arm!r} ran with {key} = {budget.get(key)!r} but "
-                                 f"{first_arm!r} with {first.get(key)!r}: budgets must be "
-                                 f"equal (set it in the shared anchor of params.yaml)")
 
 
 def summarize_arms(frames: dict[str, Any], baseline: str, prefix: str) -> dict[str, float]:
@@ -127,6 +134,25 @@ def summarize_arms(frames: dict[str, Any], baseline: str, prefix: str) -> dict[s
         out[f"{prefix}/{arm}/delta_vs_{baseline}"] = mean_std(accs)[0] - base
     start = [float(f.filter(pl.col("round") == 0.0)["acc"][0]) for f in frames.values()]
     out[f"{prefix}/initial_acc"] = mean_std(start)[0]
+    return out
+
+
+def final_by_seed(frame: Any) -> dict[int, float]:
+    """seed -> held-out accuracy after the last round of an arm's curve."""
+    final = frame.filter(frame["round"] == frame["round"].max())
+    return dict(zip((int(s) for s in final["seed"]), final["acc"].to_list()))
+
+
+def accuracy_claims(finals: dict[str, dict[int, float]], pairs: list[tuple[str, str]],
+                    prefix: str, paper: dict[tuple[str, str], float | None] | None = None
+                    ) -> dict[str, float]:
+    """For each (method, baseline) in `pairs`: final accuracy higher, paired by seed, as a
+    fraction; `paper` gives the paper's effect of a pair, if any. finals: arm -> seed -> acc."""
+    out: dict[str, float] = {}
+    for method, baseline in pairs:
+        c = claim_by_key(finals[method], finals[baseline], direction=1,
+                         paper_effect=(paper or {}).get((method, baseline)))
+        out.update(claim_metrics(c, f"claim/{prefix}/acc/{method}_vs_{baseline}"))
     return out
 
 
@@ -175,6 +201,14 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     runs = ctx.path(cfg.runs)
     metrics: dict[str, float] = {}
     curves = []
+    # (method, baseline) of each claim, and the paper's effect where it gives one
+    claims = {"sft": [(cfg.sft_method, cfg.sft_baseline)], "rl": []}
+    paper = {(cfg.sft_method, cfg.sft_baseline): cfg.paper_sft_gain}
+    if cfg.sft_ppl is not None:
+        claims["sft"] += [(cfg.sft_method, cfg.sft_ppl), (cfg.sft_ppl, cfg.sft_baseline)]
+    if cfg.rl_method is not None and cfg.rl_arms:
+        claims["rl"] = [(cfg.rl_method, cfg.rl_baseline)]
+        paper[(cfg.rl_method, cfg.rl_baseline)] = cfg.paper_rl_gain
     for kind, arms, keys, baseline in (("sft", cfg.sft_arms, SFT_BUDGET_KEYS, cfg.sft_baseline),
                                        ("rl", cfg.rl_arms, RL_BUDGET_KEYS, cfg.rl_baseline)):
         if not arms:
@@ -184,6 +218,8 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
             frames[arm], budgets[arm] = _load_arm(runs / arm, arm)
         check_budgets(budgets, keys)
         metrics.update(summarize_arms(frames, baseline, kind))
+        metrics.update(accuracy_claims({a: final_by_seed(f) for a, f in frames.items()},
+                                       claims[kind], kind, paper))
         metrics[f"{kind}/top_n"] = float(budgets[baseline]["top_n"])
         metrics[f"{kind}/rounds"] = float(budgets[baseline]["rounds"])
         for arm, f in frames.items():
@@ -299,4 +335,24 @@ def results_table(metrics: dict[str, dict[str, Any]]) -> str:
         if extra:
             lines += ["", "Full-answer entropy (bits, top-20% aggregation), differences of "
                       "means: " + "; ".join(f"{label} {v:+.3f}" for label, v in extra) + "."]
-    return "\n".join(lines).rstrip() + "\n"
+    return "\n".join(lines + claims_table(m)).rstrip() + "\n"
+
+
+def claims_table(m: dict[str, Any]) -> list[str]:
+    """README lines: every claim in `m` (claim/<sft|rl>/acc/<a>_vs_<b>) with its verdict
+    sentence (`Claim.sentence`), SFT first."""
+    prefixes = [k[:-len("/verdict")] for k in m if k.startswith("claim/")
+                and k.endswith("/verdict")]
+    prefixes.sort(key=lambda p: (p.split("/")[1] != "sft", p))
+    if not prefixes:
+        return []
+    lines = ["", "Claims, final held-out accuracy paired by seed (difference method - baseline "
+             "as a fraction, with its 95% t interval; MDE: the smallest true difference these "
+             "seeds would detect with 80% power):", "", "| claim | verdict |", "|---|---|"]
+    for prefix in prefixes:
+        parts = prefix.split("/")
+        a, _, b = parts[-1].partition("_vs_")
+        c: Claim | None = read_claim(m, prefix)
+        lines.append(f"| {'SFT' if parts[1] == 'sft' else 'RL'}: {a} above {b} "
+                     f"| {c.sentence() if c else 'n/a'} |")
+    return lines

@@ -39,6 +39,7 @@ from typing import Any, Literal, Sequence
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from stages.core import io
+from stages.core.stats import spearman
 
 
 class EstimatorParams(BaseModel):
@@ -288,17 +289,6 @@ class Config(BaseModel):
         if any(v < 1 for v in value) or len(set(value)) != len(value):
             raise ValueError(f"prefix_lengths {value}: expected distinct lengths >= 1")
         return sorted(value)
-
-
-def spearman(x: Sequence[float], y: Sequence[float]) -> float:
-    """Spearman's rho (scipy); NaN when either side is constant."""
-    from scipy.stats import spearmanr
-
-    if len(x) != len(y):
-        raise ValueError(f"{len(x)} x values but {len(y)} y values")
-    if len(x) < 2 or len(set(x)) < 2 or len(set(y)) < 2:
-        return math.nan
-    return float(spearmanr(x, y).statistic)
 
 
 def run(cfg: Config, ctx: Any) -> dict[str, float]:

@@ -94,7 +94,7 @@ def curriculum_rl(cfg: Config, start: Path, rows: list[dict[str, Any]],
         raise ValueError("curriculum_rl: the pool is empty")
     if cfg.top_n > len(rows):
         raise ValueError(f"top_n = {cfg.top_n} but the pool has only {len(rows)} rows")
-    params = cfg.grpo.model_copy(update={"eval_every": 10**9})  # evaluated here, per round
+    params = cfg.grpo.model_copy(update={"eval_every": None})  # evaluated here, per round
     steps = params.rounds * params.steps_per_round
     seen: set[int] = set()
     curve, picks = [], []
@@ -149,9 +149,7 @@ def curriculum_rl(cfg: Config, start: Path, rows: list[dict[str, Any]],
                   f"{point['train_reward']:.3f}, zero-std groups "
                   f"{point['frac_reward_zero_std']:.2f}, noisy {stats['noisy_frac']:.3f}, "
                   f"round {point['round_seconds']:.1f}s", flush=True)
-        with io.atomic_path(out_dir, is_dir=True) as tmp:
-            model.save_pretrained(str(tmp), safe_serialization=True)
-            tokenizer.save_pretrained(str(tmp))
+        io.save_model(model, tokenizer, out_dir)
     return curve, picks
 
 
@@ -165,7 +163,7 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
 
     from stages.models.base import set_threads
     from stages.models.generate import load_model
-    from stages.edco.sft import _null_run, evaluate, finish, load_pool
+    from stages.edco.sft import evaluate, finish, load_pool
 
     set_threads(cfg.num_threads)
     method = cfg.method or ctx.stage
@@ -181,11 +179,8 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     curve_rows, pick_rows = [], []
     with io.atomic_path(out, is_dir=True) as tmp:
         for seed in cfg.seeds:
-            run_ctx = (ctx.tracker.method_run("rl", method, seed,
-                                              params={"strategy": cfg.strategy,
-                                                      **cfg.model_dump(mode="json")})
-                       if ctx.tracker is not None else _null_run())
-            with run_ctx as mr:
+            with ctx.method_run("rl", method, seed, params={
+                    "strategy": cfg.strategy, **cfg.model_dump(mode="json")}) as mr:
                 mr.log_metrics({k: v for k, v in zero.items() if math.isfinite(v)}, 0)
                 curve, picks = curriculum_rl(cfg, start, rows, test_rows, seed,
                                              tmp / f"seed{seed}", log=mr.log_metrics,

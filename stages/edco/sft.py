@@ -171,7 +171,7 @@ def curriculum_sft(cfg: Config, start: Path, rows: list[dict[str, Any]],
     from transformers import set_seed
 
     from stages.models.generate import load_model
-    from stages.hsir.self_improve import sft
+    from stages.train.sft import sft
 
     if not rows:
         raise ValueError("curriculum_sft: the pool is empty")
@@ -224,9 +224,7 @@ def curriculum_sft(cfg: Config, start: Path, rows: list[dict[str, Any]],
               f", noisy {stats['noisy_frac']:.3f}, x-share {stats['mul_share']:.2f}, "
               f"select {select_seconds:.1f}s, round {point['round_seconds']:.1f}s", flush=True)
     model.eval()
-    with io.atomic_path(out_dir, is_dir=True) as tmp:
-        model.save_pretrained(str(tmp), safe_serialization=True)
-        tokenizer.save_pretrained(str(tmp))
+    io.save_model(model, tokenizer, out_dir)
     return curve, picks
 
 
@@ -268,11 +266,8 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     curve_rows, pick_rows = [], []
     with io.atomic_path(out, is_dir=True) as tmp:
         for seed in cfg.seeds:
-            run_ctx = (ctx.tracker.method_run("sft", method, seed,
-                                              params={"strategy": cfg.strategy,
-                                                      **cfg.model_dump(mode="json")})
-                       if ctx.tracker is not None else _null_run())
-            with run_ctx as mr:
+            with ctx.method_run("sft", method, seed, params={
+                    "strategy": cfg.strategy, **cfg.model_dump(mode="json")}) as mr:
                 mr.log_metrics({k: v for k, v in zero.items() if math.isfinite(v)}, 0)
                 curve, picks = curriculum_sft(cfg, start, rows, test_rows, seed,
                                               tmp / f"seed{seed}", base_nll,
@@ -297,7 +292,7 @@ def finish(cfg: Any, ctx: Any, out: Path, method: str, frame: Any) -> dict[str, 
     return the arm's flat metrics: final accuracy (mean, std over seeds), selection shares."""
     import polars as pl
 
-    from stages.edco.compare import mean_std
+    from stages.core.stats import mean_std
 
     final = frame.filter(pl.col("round") == float(cfg.rounds))
     if cfg.register_as and ctx.tracker is not None:
@@ -319,16 +314,3 @@ def finish(cfg: Any, ctx: Any, out: Path, method: str, frame: Any) -> dict[str, 
     metrics["initial_acc"] = float(frame.filter(pl.col("round") == 0.0)["acc"][0])
     metrics["seeds"] = float(len(cfg.seeds))
     return {k: v for k, v in metrics.items() if math.isfinite(v)}
-
-
-class _NullRun:
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        pass
-
-
-class _null_run:
-    def __enter__(self) -> _NullRun:
-        return _NullRun()
-
-    def __exit__(self, *exc: Any) -> None:
-        return None

@@ -17,6 +17,17 @@ injected repetition count) should be strongly negative. The eigenscore also fall
 number of steps, so the within-difficulty correlation (same number of derivation steps) is
 reported too.
 
+Claims (`stages.core.stats.claim`, paired by seed, 95% t interval; +1 reproduced, 0
+inconclusive, -1 contradicted, with the minimum detectable effect), final round:
+- HSIR vs STaR: held-out accuracy higher, relative to STaR's mean (paper: up to +10.9%), hard-split
+  accuracy higher (spec §4, in accuracy points: the paper gives no hard-split number), tokens per
+  solved query fewer, relative (paper: up to -42.4% inference overhead);
+- VeriExit vs STaR: a larger share of hard queries in the training pools (mean over rounds);
+- H-GRPO vs GRPO: accuracy higher and tokens per solved query fewer, relative to GRPO (the
+  paper's reviewers: small accuracy gains, shorter outputs; no number);
+- InDiv: Spearman(InDiv, injected repeats) below 0, with a percentile bootstrap CI over the
+  traces (`claim_from_ci`).
+
 Refuses arms whose budgets differ (self-training: rounds, K, SFT steps per round, batch size,
 ...; RL: `GRPOParams.budget`), naming the arm and the key.
 Outputs: report/ (table.md, rounds.png, indiv.png), plots/rounds.csv, flat metrics.
@@ -27,14 +38,19 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from stages.core import io
+from stages.core.stats import (Claim, check_budgets, claim_by_key, claim_from_ci, claim_metrics,
+                               mean_std, percentile_ci, read_claim, spearman)
 
 SELF_BUDGET_KEYS = ("rounds", "samples_per_query", "sft_steps_per_round", "batch_size",
                     "max_new_tokens", "temperature", "lr", "train_queries")
+# What must be equal across the RL arms (the keys of `stages.train.grpo.GRPOParams.budget`).
+RL_BUDGET_KEYS = ("rounds", "prompts_per_round", "num_generations", "minibatches",
+                  "num_iterations", "max_completion_length")
 
 
 class Config(BaseModel):
@@ -59,6 +75,22 @@ class Config(BaseModel):
     indiv_rows: int = Field(200, ge=2, description="seed-format traces scored for validation")
     indiv_layer: int | Literal["middle"] = Field(-1, description="hidden layer InDiv reads")
     num_threads: int = Field(0, ge=0, le=512, description="torch CPU threads (0: all cores)")
+    method: str = Field("hsir", description="the paper's full method among `arms`; the claims "
+                                            "test it against `baseline`, paired by seed")
+    veriexit_arm: str | None = Field("veriexit", description="the VeriExit-only arm (claim: more "
+                                                             "hard queries in its pools than "
+                                                             "the baseline's; None: untested)")
+    rl_method: str | None = Field("h_grpo", description="H-GRPO among `rl_arms` (claims vs "
+                                                        "`rl_baseline`)")
+    paper_acc_gain: float | None = Field(
+        0.109, ge=-1, description="the paper's held-out accuracy gain of the method over STaR, "
+                                  "relative to STaR ((m - b) / b; None: not stated)")
+    paper_tokens_change: float | None = Field(
+        -0.424, ge=-1, description="the paper's change in generated tokens (inference "
+                                   "overhead) vs STaR, relative (None: not stated)")
+    indiv_ci_draws: int = Field(1000, ge=100, le=100_000, description="bootstrap resamples of "
+                                                                      "the traces for the CI of "
+                                                                      "the InDiv Spearman")
 
     @field_validator("arms", "rl_arms")
     @classmethod
@@ -73,6 +105,15 @@ class Config(BaseModel):
             raise ValueError(f"baseline {self.baseline!r} is not one of the arms {self.arms}")
         if self.rl_arms and self.rl_baseline not in self.rl_arms:
             raise ValueError(f"rl_baseline {self.rl_baseline!r} is not one of {self.rl_arms}")
+        for name in ("method", "veriexit_arm"):
+            arm = getattr(self, name)
+            if arm is not None and (arm not in self.arms or arm == self.baseline):
+                raise ValueError(f"{name} {arm!r} must be one of the arms {self.arms} other "
+                                 f"than the baseline {self.baseline!r}")
+        if self.rl_arms and self.rl_method is not None and (
+                self.rl_method not in self.rl_arms or self.rl_method == self.rl_baseline):
+            raise ValueError(f"rl_method {self.rl_method!r} must be one of {self.rl_arms} other "
+                             f"than rl_baseline {self.rl_baseline!r}")
         if set(self.arms) & set(self.rl_arms):
             raise ValueError(f"{sorted(set(self.arms) & set(self.rl_arms))} are listed as both "
                              f"self-training and RL arms")
@@ -81,60 +122,9 @@ class Config(BaseModel):
 
 # --- pure pieces -----------------------------------------------------------------------------
 
-def ranks(values: Sequence[float]) -> list[float]:
-    """1-based ranks, ties get the mean of the ranks they span."""
-    order = sorted(range(len(values)), key=lambda i: values[i])
-    out = [0.0] * len(values)
-    i = 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
-            j += 1
-        for k in range(i, j + 1):
-            out[order[k]] = (i + j) / 2 + 1
-        i = j + 1
-    return out
-
-
-def spearman(x: Sequence[float], y: Sequence[float]) -> float:
-    """Spearman's rho: Pearson correlation of the (tie-averaged) ranks; NaN when either side is
-    constant or has fewer than two values. Pairs with a non-finite value are dropped."""
-    if len(x) != len(y):
-        raise ValueError(f"{len(x)} x values but {len(y)} y values")
-    pairs = [(a, b) for a, b in zip(x, y) if math.isfinite(a) and math.isfinite(b)]
-    if len(pairs) < 2:
-        return math.nan
-    rx, ry = ranks([a for a, _ in pairs]), ranks([b for _, b in pairs])
-    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
-    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
-    vx = sum((a - mx) ** 2 for a in rx)
-    vy = sum((b - my) ** 2 for b in ry)
-    return cov / math.sqrt(vx * vy) if vx > 0 and vy > 0 else math.nan
-
-
-def check_budgets(budgets: dict[str, dict[str, Any]], keys: Sequence[str]) -> None:
-    """Raise ValueError naming the arm and the key when arms were run at different budgets."""
-    first_arm, first = next(iter(budgets.items()))
-    for arm, budget in budgets.items():
-        for key in keys:
-            if budget.get(key) != first.get(key):
-                raise ValueError(f"arm {arm!r} ran with {key} = {budget.get(key)!r} but "
-                                 f"{first_arm!r} with {first.get(key)!r}: budgets must be equal "
-                                 f"(set it in the shared anchor of params.yaml)")
-
-
 def relative(a: float, b: float) -> float:
     """(a - b) / b; NaN when b is 0 or either is NaN."""
     return (a - b) / b if b and math.isfinite(a) and math.isfinite(b) else math.nan
-
-
-def mean_std(values: Sequence[float]) -> tuple[float, float]:
-    """Mean and population std over the finite values (NaN, NaN when none)."""
-    finite = [v for v in values if math.isfinite(v)]
-    if not finite:
-        return math.nan, math.nan
-    mean = sum(finite) / len(finite)
-    return mean, math.sqrt(sum((v - mean) ** 2 for v in finite) / len(finite))
 
 
 def summarize_arms(finals: dict[str, dict[str, list[float]]], baseline: str,
@@ -154,6 +144,55 @@ def summarize_arms(finals: dict[str, dict[str, list[float]]], baseline: str,
         out[f"{prefix}/{arm}/seeds"] = float(len(values["acc"]))
         out[f"{prefix}/{arm}/order"] = float(list(finals).index(arm))  # table row order
     return out
+
+
+def seed_finals(frame: Any, keys: tuple[str, ...]) -> dict[str, dict[int, float]]:
+    """metric -> seed -> value at the last round of a self-training arm's curve."""
+    last = frame.filter(frame["round"] == frame["round"].max())
+    return {k: dict(zip((int(s) for s in last["seed"]), last[k].to_list())) for k in keys}
+
+
+def seed_pool_hard_share(frame: Any) -> dict[int, float]:
+    """seed -> the pools' share of hard queries, mean over rounds >= 1."""
+    trained = frame.filter(frame["round"] > 0)
+    return {int(seed): mean_std(g["pool_hard_share"].to_list())[0]
+            for (seed,), g in trained.group_by("seed", maintain_order=True)}
+
+
+def arm_claims(per_seed: dict[str, dict[str, dict[int, float]]], method: str, baseline: str,
+               prefix: str, paper_acc_gain: float | None = None,
+               paper_tokens_change: float | None = None, hard: bool = True
+               ) -> dict[str, float]:
+    """`method` vs `baseline` paired by seed (module docstring): accuracy higher and tokens per
+    solved query fewer, both relative to the baseline's mean; hard-split accuracy higher, in
+    points (`hard`). per_seed: arm -> metric -> seed -> value."""
+    m, b = per_seed[method], per_seed[baseline]
+    pair = f"{method}_vs_{baseline}"
+    out = claim_metrics(claim_by_key(m["acc"], b["acc"], direction=1,
+                                     paper_effect=paper_acc_gain, relative=True),
+                        f"claim/{prefix}/acc/{pair}")
+    if hard:
+        out.update(claim_metrics(claim_by_key(m["hard_acc"], b["hard_acc"], direction=1),
+                                 f"claim/{prefix}/hard_acc/{pair}"))
+    out.update(claim_metrics(claim_by_key(m["tokens_per_solved"], b["tokens_per_solved"],
+                                          direction=-1, paper_effect=paper_tokens_change,
+                                          relative=True),
+                             f"claim/{prefix}/tokens_per_solved/{pair}"))
+    return out
+
+
+def pool_claim(shares: dict[str, dict[int, float]], arm: str, baseline: str) -> dict[str, float]:
+    """`arm`'s pools hold a larger share of hard queries than `baseline`'s, paired by seed."""
+    return claim_metrics(claim_by_key(shares[arm], shares[baseline], direction=1),
+                         f"claim/self/pool_hard_share/{arm}_vs_{baseline}")
+
+
+def spearman_claim(x: list[float], y: list[float], draws: int, seed: int) -> Claim:
+    """Spearman(x, y) below 0, with the percentile bootstrap CI over the (x, y) pairs."""
+    rho = spearman(x, y)
+    low, high = percentile_ci(len(x), lambda idx: spearman([x[i] for i in idx],
+                                                           [y[i] for i in idx]), draws, seed)
+    return claim_from_ci(rho, low, high, n=len(x), direction=-1)
 
 
 def pool_summary(frame: Any) -> dict[str, float]:
@@ -220,9 +259,11 @@ def _plot_indiv(scores: dict[str, list[float]], repeats: list[int], path: Path) 
 
 
 def indiv_validation(model: Any, tokenizer: Any, rows: list[dict[str, Any]], seed: int,
-                     layer: Any) -> tuple[dict[str, float], dict[str, list[float]], list[int]]:
+                     layer: Any, ci_draws: int = 1000
+                     ) -> tuple[dict[str, float], dict[str, list[float]], list[int]]:
     """Spearman(InDiv, injected repetition count) on seed-format traces of `rows`, overall and
-    averaged over difficulty levels, for every InDiv formula."""
+    averaged over difficulty levels, for every InDiv formula; the claim that it is negative,
+    with a bootstrap CI over the traces (`ci_draws` resamples, seeded by `seed`)."""
     from stages.hsir import hsir
 
     traces = hsir.seed_rows(rows, 0.5, f"validation:{seed}")
@@ -234,6 +275,8 @@ def indiv_validation(model: Any, tokenizer: Any, rows: list[dict[str, Any]], see
                               [r["target"] for r in traces], layer=layer, method=method)
         scores[method] = s
         metrics[f"indiv/{method}/spearman_repeats"] = spearman(s, [float(n) for n in repeats])
+        metrics.update(claim_metrics(spearman_claim(s, [float(n) for n in repeats], ci_draws,
+                                                    seed), f"claim/indiv/{method}/spearman"))
         within = []
         for d in sorted({r["difficulty"] for r in traces}):
             idx = [i for i, r in enumerate(traces) if r["difficulty"] == d]
@@ -247,7 +290,6 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     import polars as pl
 
     from stages.core.checks import read_parquet_checked
-    from stages.r2vpo import compare as rl_compare
     from stages.models.base import set_threads
     from stages.models.generate import load_model
     from stages.tasks import get_family
@@ -267,6 +309,14 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
                                                       "verbose_share")}
         metrics.update({f"self/{arm}/{k}": v for k, v in pool_summary(frame).items()})
     metrics.update(summarize_arms(finals, cfg.baseline, "self"))
+    keys = ("acc", "hard_acc", "tokens_per_solved")
+    per_seed = {arm: seed_finals(frame, keys) for arm, frame in frames.items()}
+    metrics.update(arm_claims(per_seed, cfg.method, cfg.baseline, "self", cfg.paper_acc_gain,
+                              cfg.paper_tokens_change))
+    if cfg.veriexit_arm is not None:
+        metrics.update(pool_claim({a: seed_pool_hard_share(frames[a])
+                                   for a in (cfg.veriexit_arm, cfg.baseline)},
+                                  cfg.veriexit_arm, cfg.baseline))
 
     expect = get_family(cfg.family).expectations
     test = read_parquet_checked(ctx.path(cfg.prompts) / "test.parquet",
@@ -276,25 +326,31 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     n = cfg.eval_rows
     eval_sets = {"": test[:n] if n else test, "hard": hard[:n] if n else hard}
     if cfg.rl_arms:
-        rl_budgets, rl_finals = {}, {}
+        rl_budgets, rl_finals, rl_seeds = {}, {}, {}
         for arm in cfg.rl_arms:
             curve, rl_budgets[arm] = _load_arm(runs / arm, arm)
             values: dict[str, list[float]] = {k: [] for k in ("acc", "hard_acc",
                                                               "tokens_per_solved",
                                                               "verbose_share")}
-            for seed in sorted(curve["seed"].unique().to_list()):
+            rl_seeds[arm] = sorted(curve["seed"].unique().to_list())
+            for seed in rl_seeds[arm]:
                 model, tokenizer = load_model(runs / arm / f"seed{seed}")
                 scores = eval_splits(model, tokenizer, eval_sets, cfg.family, cfg.max_new_tokens,
                                      cfg.eval_batch_size)
                 for k in values:
                     values[k].append(scores[k])
             rl_finals[arm] = values
-        rl_compare.check_budgets(rl_budgets)
+        check_budgets(rl_budgets, RL_BUDGET_KEYS)
         metrics.update(summarize_arms(rl_finals, cfg.rl_baseline, "rl"))
+        if cfg.rl_method is not None:
+            by_seed = {arm: {k: dict(zip(rl_seeds[arm], v)) for k, v in values.items()}
+                       for arm, values in rl_finals.items()}
+            metrics.update(arm_claims(by_seed, cfg.rl_method, cfg.rl_baseline, "rl",
+                                      hard=False))
 
     model, tokenizer = load_model(ctx.path(cfg.seed_model))
     indiv, scores, repeats = indiv_validation(model, tokenizer, test[:cfg.indiv_rows], ctx.seed,
-                                              cfg.indiv_layer)
+                                              cfg.indiv_layer, cfg.indiv_ci_draws)
     metrics.update(indiv)
 
     curves = pl.concat([f.with_columns(pl.lit(a).alias("arm")) for a, f in frames.items()],
@@ -386,4 +442,47 @@ def results_table(metrics: dict[str, dict[str, Any]]) -> str:
             w = m.get(f"indiv/{meth}/spearman_repeats_within_difficulty")
             lines.append(f"| {meth} | {m[f'indiv/{meth}/spearman_repeats']:+.3f} "
                          f"| {'n/a' if w is None else f'{w:+.3f}'} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + claims_table(m)) + "\n"
+
+
+# (group, metric) of a claim -> (README wording from method a and baseline b; number format)
+CLAIM_TEXT = {
+    ("self", "acc"): ("{a} vs {b}: held-out accuracy, change relative to {b} (paper: higher)",
+                      "{:+.1%}"),
+    ("self", "hard_acc"): ("{a} vs {b}: hard-split accuracy, difference (spec: higher)",
+                           "{:+.3f}"),
+    ("self", "tokens_per_solved"): ("{a} vs {b}: tokens per solved query, change relative to "
+                                    "{b} (paper: fewer)", "{:+.1%}"),
+    ("self", "pool_hard_share"): ("{a} vs {b}: share of hard queries in the training pools, "
+                                  "difference (spec: higher)", "{:+.3f}"),
+    ("rl", "acc"): ("{a} vs {b}: held-out accuracy, change relative to {b} (paper: higher)",
+                    "{:+.1%}"),
+    ("rl", "tokens_per_solved"): ("{a} vs {b}: tokens per solved query, change relative to {b} "
+                                  "(paper: fewer)", "{:+.1%}"),
+    ("indiv", "spearman"): ("InDiv ({a}): Spearman vs injected repeats, bootstrap CI over the "
+                            "traces (spec: strongly negative)", "{:+.3f}"),
+}
+
+
+def claims_table(m: dict[str, Any]) -> list[str]:
+    """README lines: every claim in `m` with its verdict sentence (`Claim.sentence`)."""
+    def key(prefix: str) -> tuple[str, str]:
+        parts = prefix.split("/")  # claim/<group>/<metric>/<a>_vs_<b> or claim/indiv/<f>/spearman
+        return (parts[1], parts[3] if parts[1] == "indiv" else parts[2])
+
+    order = list(CLAIM_TEXT)
+    prefixes = sorted((k[:-len("/verdict")] for k in m if k.startswith("claim/")
+                       and k.endswith("/verdict")),
+                      key=lambda p: (order.index(key(p)) if key(p) in order else len(order), p))
+    if not prefixes:
+        return []
+    lines = ["", "Claims, paired by seed unless said otherwise (difference method - baseline with "
+             "its 95% t interval; MDE: the smallest true difference these seeds would detect "
+             "with 80% power):", "", "| claim | verdict |", "|---|---|"]
+    for prefix in prefixes:
+        parts = prefix.split("/")
+        a, _, b = (parts[2] if parts[1] == "indiv" else parts[3]).partition("_vs_")
+        text, fmt = CLAIM_TEXT.get(key(prefix), ("/".join(parts[1:]), "{:+.3f}"))
+        c: Claim | None = read_claim(m, prefix)
+        lines.append(f"| {text.format(a=a, b=b)} | {c.sentence(fmt) if c else 'n/a'} |")
+    return lines

@@ -11,7 +11,7 @@ HSIR fixes both before each training round:
               space: InDiv(s) >= tau (near-duplicate steps -> low score -> dropped)
     H-GRPO    GRPO with reward R_i = 1[correct_i] + w * z_group(InDiv_i), bonus on correct only
 
-What is solid and what is guessed (see ../shared/papers/hsir.md):
+What is solid and what is guessed:
 - [secondary] the two components, the loop structure (K = 10 samples, VeriExit on wrong samples,
   InDiv filter with tau = -0.5 on the paper's scale), H-GRPO as "InDiv as an extra reward".
 - [reconstructed] everything below the mechanism level: VeriExit's exact matching and cue, the

@@ -59,7 +59,8 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     from stages.models.generate import generate, load_model
     from stages.tasks import get_family, load_split
     from stages.hsir import hsir
-    from stages.hsir.self_improve import greedy_eval, sft
+    from stages.hsir.self_improve import greedy_eval
+    from stages.train.sft import sft
 
     set_threads(cfg.num_threads)
     set_seed(ctx.seed)
@@ -86,7 +87,5 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     metrics["sampled_acc"] = sum(fam.verify_answer(r, o) for r, o in zip(test, sampled)) / len(test)
     metrics["sampled_verbose_share"] = sum(hsir.count_repeats(o) > 0 for o in sampled) / len(test)
     model.eval()
-    with io.atomic_path(ctx.path(cfg.out), is_dir=True) as tmp:
-        model.save_pretrained(str(tmp), safe_serialization=True)
-        tokenizer.save_pretrained(str(tmp))
+    io.save_model(model, tokenizer, ctx.path(cfg.out))
     return {k: float(v) for k, v in metrics.items() if v == v}  # NaN (nothing solved) left out

@@ -34,6 +34,7 @@ from typing import Any, Callable, Literal, Mapping, Sequence
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from stages.core import io
+from stages.core.stats import mean_std
 from stages.hsir import hsir
 
 
@@ -181,22 +182,13 @@ def pool_stats(pool: Sequence[Mapping[str, Any]], samples: Sequence[Mapping[str,
     }
 
 
-def mean_std(values: Sequence[float]) -> tuple[float, float]:
-    """Mean and population std (ddof=0) over the finite values (NaN, NaN when none)."""
-    finite = [v for v in values if math.isfinite(v)]
-    if not finite:
-        return math.nan, math.nan
-    mean = sum(finite) / len(finite)
-    return mean, math.sqrt(sum((v - mean) ** 2 for v in finite) / len(finite))
-
-
-# --- model steps: evaluate, sample, SFT ---------------------------------------------------------
+# --- model steps: evaluate, score ------------------------------------------------------------
 
 def greedy_eval(model: Any, tokenizer: Any, rows: list[dict[str, Any]], family: str,
                 max_new_tokens: int, batch_size: int) -> dict[str, float]:
     """One greedy pass over `rows`: accuracy, generated tokens per SOLVED query (HSIR's
-    overhead; `grpo.tokens_per_solved`'s measure), mean tokens, share of outputs that
-    re-verify (>= 1 "check" step) and their mean count. The tokens exclude <eos>."""
+    overhead), mean tokens, share of outputs that re-verify (>= 1 "check" step) and their mean
+    count. The tokens exclude <eos>."""
     from stages.models.generate import generate
     from stages.tasks import get_family
 
@@ -227,36 +219,6 @@ def eval_splits(model: Any, tokenizer: Any, splits: Mapping[str, list[dict[str, 
     return out
 
 
-class _StepLog:
-    """`base.train` logs through `ctx.log_metrics(values, step)`; this shifts the step."""
-
-    def __init__(self, log: Callable[[dict[str, float], int], None] | None, offset: int):
-        self.log, self.offset = log, offset
-
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        if self.log is not None:
-            self.log(metrics, self.offset + int(step or 0))
-
-
-def sft(model: Any, tokenizer: Any, prompts: list[str], completions: list[str], *, steps: int,
-        batch_size: int, lr: float, seed: int, warmup: float = 0.0, min_lr_ratio: float = 1.0,
-        weight_decay: float = 0.0, max_grad_norm: float = 1.0, log_every: int = 10,
-        log: Callable[[dict[str, float], int], None] | None = None,
-        step_offset: int = 0) -> dict[str, float]:
-    """Completion-only SFT of `model` in place: `stages.models.base.train` (the shared loop)
-    on `<bos> prompt` (no loss) + `completion <eos>`."""
-    from stages.models import base
-
-    cfg = base.Config(steps=steps, batch_size=batch_size, lr=lr, warmup=warmup,
-                      min_lr_ratio=min_lr_ratio, weight_decay=weight_decay,
-                      max_grad_norm=max_grad_norm, log_every=log_every)
-    max_len = getattr(model.config, "max_position_embeddings", 256)
-    rows = base.encode_sft_rows(tokenizer, prompts, completions, max_len)
-    metrics = base.train(cfg, model, tokenizer, rows, seed, _StepLog(log, step_offset))
-    model.eval()
-    return metrics
-
-
 def indiv_scorer(model: Any, tokenizer: Any, method: str, layer: Any,
                  batch_size: int) -> hsir.IndivOf:
     """rows -> InDiv of each row's completion after its prompt, under `model`."""
@@ -282,6 +244,7 @@ def self_train(cfg: Config, start: Path, train_rows: list[dict[str, Any]],
 
     from stages.models.generate import generate, load_model
     from stages.tasks import get_family
+    from stages.train.sft import sft
 
     fam = get_family(cfg.family)
     set_seed(seed)
@@ -325,9 +288,7 @@ def self_train(cfg: Config, start: Path, train_rows: list[dict[str, Any]],
               f"acc {point['acc']:.3f}, hard {point['hard_acc']:.3f}, "
               f"tokens/solved {point['tokens_per_solved']:.1f}", flush=True)
     model.eval()
-    with io.atomic_path(out_dir, is_dir=True) as tmp:
-        model.save_pretrained(str(tmp), safe_serialization=True)
-        tokenizer.save_pretrained(str(tmp))
+    io.save_model(model, tokenizer, out_dir)
     return curve
 
 
@@ -372,10 +333,8 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     rows = []
     with io.atomic_path(out, is_dir=True) as tmp:
         for seed in cfg.seeds:
-            run_ctx = (ctx.tracker.method_run("self_train", method, seed,
-                                              params=cfg.model_dump(mode="json"))
-                       if ctx.tracker is not None else _null_run())
-            with run_ctx as mr:
+            with ctx.method_run("self_train", method, seed,
+                                params=cfg.model_dump(mode="json")) as mr:
                 mr.log_metrics({k: v for k, v in zero.items() if math.isfinite(v)}, 0)
                 curve = self_train(cfg, start, train_rows, eval_sets, seed, tmp / f"seed{seed}",
                                    tmp / "pools", log=mr.log_metrics, name=method)
@@ -424,15 +383,3 @@ def summarize_curve(frame: Any, rounds: int, train_queries: int) -> dict[str, fl
     metrics["seeds"] = float(frame["seed"].n_unique())
     return metrics
 
-
-class _NullRun:
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        pass
-
-
-class _null_run:
-    def __enter__(self) -> _NullRun:
-        return _NullRun()
-
-    def __exit__(self, *exc: Any) -> None:
-        return None

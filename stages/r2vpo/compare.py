@@ -19,6 +19,17 @@ Per arm (mean ± population std over seeds):
   threshold-free sample-efficiency score.
 Control: mean dense return over the last 10% of evaluations, per environment and arm.
 
+Claims (`stages.core.stats.claim`, paired by seed, 95% t interval; +1 reproduced, 0
+inconclusive, -1 contradicted, with the minimum detectable effect), the method arm against the
+clipped baseline:
+- final accuracy higher, relative to the baseline's mean (paper: up to +17% average relative
+  gain over clipping, arXiv 2601.03320 abstract);
+- rollouts to reach the target fewer, relative to the baseline's mean (paper: ~50% fewer);
+- control: the last-10% return higher in every environment (arXiv 2605.26784 abstract: beats
+  PPO, no number given), and the gain larger on a sparse-reward environment than on its dense
+  counterpart (same abstract: "especially with sparse rewards"), per seed
+  (method - PPO on sparse) - (method - PPO on dense).
+
 Outputs: `report/` (table.md, acc_vs_rollouts.png, control.png), `plots/acc_vs_rollouts.csv`
 (mean curve per arm, for `dvc plots`), and the flat metrics for DVC and the README table.
 """
@@ -26,13 +37,18 @@ Outputs: `report/` (table.md, acc_vs_rollouts.png, control.png), `plots/acc_vs_r
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from stages.core import io
+from stages.core.stats import (Claim, check_budgets, claim_by_key, claim_metrics, mean_std,
+                               read_claim)
+
+# What must be equal across the LLM arms (the keys of `stages.train.grpo.GRPOParams.budget`).
+BUDGET_KEYS = ("rounds", "prompts_per_round", "num_generations", "minibatches", "num_iterations",
+               "max_completion_length")
 
 
 class Config(BaseModel):
@@ -48,6 +64,17 @@ class Config(BaseModel):
                                                                "pipeline folder")
     reach_frac: float = Field(0.8, gt=0, le=1, description="sample-efficiency threshold, as a "
                                                            "share of the best final accuracy")
+    method: str = Field("r2vpo", description="the paper's method arm; the claims test it "
+                                             "against `baseline`, paired by seed")
+    paper_final_acc_gain: float | None = Field(
+        0.17, ge=-1, description="the paper's final-accuracy gain of the method over clipping, "
+                                 "relative to the baseline ((m - b) / b; None: not stated)")
+    paper_rollouts_change: float | None = Field(
+        -0.5, ge=-1, description="the paper's change in rollouts to reach the target, relative "
+                                 "to the baseline (-0.5: half as many; None: not stated)")
+    control_method: str = Field("r2vpo", description="the method's arm in the control curves")
+    control_baseline: str = Field("ppo", description="the clipped arm in the control curves "
+                                                     "(the paper states no control effect size)")
 
     @field_validator("arms")
     @classmethod
@@ -58,17 +85,16 @@ class Config(BaseModel):
 
     @model_validator(mode="after")
     def _baseline_is_an_arm(self) -> "Config":
-        if self.baseline not in self.arms:
-            raise ValueError(f"baseline {self.baseline!r} is not one of the arms {self.arms}")
+        for name in ("baseline", "method"):
+            if getattr(self, name) not in self.arms:
+                raise ValueError(f"{name} {getattr(self, name)!r} is not one of the arms "
+                                 f"{self.arms}")
+        if self.method == self.baseline:
+            raise ValueError(f"method and baseline are both {self.method!r}")
+        if self.control_method == self.control_baseline:
+            raise ValueError(f"control_method and control_baseline are both "
+                             f"{self.control_method!r}")
         return self
-
-
-def mean_std(values: list[float]) -> tuple[float, float]:
-    """Mean and population std (ddof=0): the seeds are the whole population we ran."""
-    if not values:
-        raise ValueError("mean_std of no values")
-    mean = sum(values) / len(values)
-    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
 
 
 def rollouts_to_reach(points: list[tuple[float, float]], level: float) -> float | None:
@@ -88,17 +114,15 @@ def auc(points: list[tuple[float, float]]) -> float:
     return area / span if span > 0 else points[-1][1]
 
 
-def check_budgets(budgets: dict[str, dict[str, Any]]) -> None:
-    """Raise ValueError naming the arm and the key when arms were run at different budgets."""
-    keys = ("rounds", "prompts_per_round", "num_generations", "minibatches", "num_iterations",
-            "max_completion_length")
-    first_arm, first = next(iter(budgets.items()))
-    for arm, budget in budgets.items():
-        for key in keys:
-            if budget.get(key) != first.get(key):
-                raise ValueError(f"arm {arm!r} ran with {key} = {budget.get(key)} but "
-                                 f"{first_arm!r} with {first.get(key)}: budgets must be equal "
-                                 f"(set it in the shared anchor of params.yaml)")
+def seed_rollouts_to_reach(seeds: dict[int, list[tuple[float, float]]], level: float
+                           ) -> dict[int, float | None]:
+    """seed -> rollouts until `level` is first reached (None: never)."""
+    return {seed: rollouts_to_reach(pts, level) for seed, pts in seeds.items()}
+
+
+def budget_if_never(reach: dict[int, float | None], budget: float) -> dict[int, float]:
+    """A seed that never reaches the level counts the arm's whole budget."""
+    return {seed: budget if r is None else r for seed, r in reach.items()}
 
 
 def summarize(curves: dict[str, dict[int, list[tuple[float, float]]]], baseline: str,
@@ -112,17 +136,38 @@ def summarize(curves: dict[str, dict[int, list[tuple[float, float]]]], baseline:
     out: dict[str, float] = {"reach_level": level, "start_acc": start, "best_final_acc": best}
     for arm, seeds in curves.items():
         budget = max(pts[-1][0] for pts in seeds.values())
-        reach = [rollouts_to_reach(pts, level) for pts in seeds.values()]
+        reach = seed_rollouts_to_reach(seeds, level)
         m, s = mean_std(finals[arm])
         out[f"{arm}/final_acc_mean"], out[f"{arm}/final_acc_std"] = m, s
         out[f"{arm}/gain_vs_{baseline}"] = (m - base_mean) / base_mean if base_mean > 0 else 0.0
-        r_m, r_s = mean_std([budget if r is None else r for r in reach])
+        r_m, r_s = mean_std(list(budget_if_never(reach, budget).values()))
         out[f"{arm}/rollouts_to_reach_mean"], out[f"{arm}/rollouts_to_reach_std"] = r_m, r_s
-        out[f"{arm}/reached_frac"] = sum(r is not None for r in reach) / len(reach)
+        out[f"{arm}/reached_frac"] = sum(r is not None for r in reach.values()) / len(reach)
         a_m, a_s = mean_std([auc(pts) for pts in seeds.values()])
         out[f"{arm}/auc_mean"], out[f"{arm}/auc_std"] = a_m, a_s
         out[f"{arm}/seeds"] = float(len(seeds))
     return out
+
+
+def llm_claims(curves: dict[str, dict[int, list[tuple[float, float]]]], level: float,
+               method: str, baseline: str, paper_final_acc_gain: float | None = None,
+               paper_rollouts_change: float | None = None) -> dict[str, float]:
+    """The paper's two LLM claims, `method` vs `baseline` paired by seed, each relative to the
+    baseline's mean: final accuracy higher, rollouts to reach `level` fewer (module docstring)."""
+    def finals(arm: str) -> dict[int, float]:
+        return {seed: pts[-1][1] for seed, pts in curves[arm].items()}
+
+    def reach(arm: str) -> dict[int, float]:
+        budget = max(pts[-1][0] for pts in curves[arm].values())
+        return budget_if_never(seed_rollouts_to_reach(curves[arm], level), budget)
+
+    pair = f"{method}_vs_{baseline}"
+    acc = claim_by_key(finals(method), finals(baseline), direction=1,
+                       paper_effect=paper_final_acc_gain, relative=True)
+    rollouts = claim_by_key(reach(method), reach(baseline), direction=-1,
+                            paper_effect=paper_rollouts_change, relative=True)
+    return {**claim_metrics(acc, f"claim/final_acc/{pair}"),
+            **claim_metrics(rollouts, f"claim/rollouts_to_reach/{pair}")}
 
 
 def _load_curves(runs: Path, arms: list[str]) -> tuple[dict, dict, Any]:
@@ -170,20 +215,53 @@ def _plot_curves(mean_curve: Any, path: Path, x: str, y: str, title: str) -> Non
     plt.close(fig)
 
 
-def control_summary(df: Any) -> dict[str, float]:
-    """Per env and arm: mean ± std over seeds of the mean dense return over the last 10% of
-    evaluations (at least the last one)."""
-    out: dict[str, float] = {}
+def control_last10(df: Any) -> dict[tuple[str, str], dict[int, float]]:
+    """(env, arm) -> seed -> mean dense return over the last 10% of the seed's evaluations (at
+    least the last one)."""
+    out: dict[tuple[str, str], dict[int, float]] = {}
     for (env, arm), g in df.group_by(["env", "arm"], maintain_order=True):
-        lasts = []
-        for (_,), s in g.group_by("seed", maintain_order=True):
+        out[(env, arm)] = {}
+        for (seed,), s in g.group_by("seed", maintain_order=True):
             s = s.sort("env_steps")
             k = max(1, len(s) // 10)
-            lasts.append(float(s["dense_return"].tail(k).mean()))
-        m, sd = mean_std(lasts)
+            out[(env, arm)][int(seed)] = float(s["dense_return"].tail(k).mean())
+    return out
+
+
+def control_summary(df: Any) -> dict[str, float]:
+    """Per env and arm: mean ± std over seeds of `control_last10`."""
+    out: dict[str, float] = {}
+    for (env, arm), lasts in control_last10(df).items():
+        m, sd = mean_std(list(lasts.values()))
         key = env.replace(":", "_")
         out[f"control/{key}/{arm}/return_last10_mean"] = m
         out[f"control/{key}/{arm}/return_last10_std"] = sd
+    return out
+
+
+def control_claims(lasts: dict[tuple[str, str], dict[int, float]], method: str,
+                   baseline: str) -> dict[str, float]:
+    """Per environment: `method`'s last-10% return above `baseline`'s, paired by seed; per
+    sparse environment `sparse:<env>` whose dense `<env>` also ran: the per-seed gain
+    (method - baseline) larger there than on the dense one (module docstring)."""
+    out: dict[str, float] = {}
+    envs = list(dict.fromkeys(env for env, _ in lasts))
+    pair = f"{method}_vs_{baseline}"
+    gains = {}
+    for env in envs:
+        if (env, method) not in lasts or (env, baseline) not in lasts:
+            raise ValueError(f"control curves of {env!r} lack arm {method!r} or {baseline!r} "
+                             f"(arms: {sorted(a for e, a in lasts if e == env)})")
+        m, b = lasts[(env, method)], lasts[(env, baseline)]
+        c = claim_by_key(m, b, direction=1)
+        out.update(claim_metrics(c, f"claim/control/{env.replace(':', '_')}/{pair}"))
+        gains[env] = {seed: m[seed] - b[seed] for seed in m if seed in b}
+    for env in envs:
+        dense = env.removeprefix("sparse:")
+        if env.startswith("sparse:") and dense in gains:
+            c = claim_by_key(gains[env], gains[dense], direction=1)
+            out.update(claim_metrics(c, f"claim/control_sparse_gap/{env.replace(':', '_')}/"
+                                        f"{pair}"))
     return out
 
 
@@ -191,8 +269,10 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     import polars as pl
 
     curves, budgets, frame = _load_curves(ctx.path(cfg.runs), cfg.arms)
-    check_budgets(budgets)
+    check_budgets(budgets, BUDGET_KEYS)
     metrics = summarize(curves, cfg.baseline, cfg.reach_frac)
+    metrics.update(llm_claims(curves, metrics["reach_level"], cfg.method, cfg.baseline,
+                              cfg.paper_final_acc_gain, cfg.paper_rollouts_change))
     mean_curve = (frame.group_by(["arm", "round"], maintain_order=True)
                   .agg(pl.col("rollouts").mean(), pl.col("eval_acc").mean(),
                        pl.col("eval_acc").std(ddof=0).alias("eval_acc_std"))
@@ -201,6 +281,8 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     if cfg.control:
         control = pl.read_parquet(ctx.path(cfg.control))
         metrics.update(control_summary(control))
+        metrics.update(control_claims(control_last10(control), cfg.control_method,
+                                      cfg.control_baseline))
     plot_csv = ctx.pipeline_dir / cfg.plot
     with io.atomic_path(plot_csv) as tmp:
         mean_curve.select("arm", "rollouts", "eval_acc", "eval_acc_std").write_csv(tmp)
@@ -245,4 +327,39 @@ def results_table(metrics: dict[str, dict[str, Any]]) -> str:
         for env, arm in control:
             lines.append(f"| {env} | {arm} | {m[f'control/{env}/{arm}/return_last10_mean']:.1f}"
                          f" ± {m[f'control/{env}/{arm}/return_last10_std']:.1f} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + claims_table(m)) + "\n"
+
+
+# claim kind -> (README wording from method a, baseline b and environment env; number format)
+CLAIM_TEXT = {
+    "final_acc": ("{a} vs {b}: final accuracy, change relative to {b} (paper: higher)",
+                  "{:+.1%}"),
+    "rollouts_to_reach": ("{a} vs {b}: rollouts to reach the target, change relative to {b} "
+                          "(paper: fewer)", "{:+.1%}"),
+    "control": ("{a} vs {b} on {env}: return over the last 10% of evaluations (paper: higher)",
+                "{:+.1f}"),
+    "control_sparse_gap": ("{a} - {b} return on {env} minus on its dense version (paper: the "
+                           "gain is largest with sparse rewards)", "{:+.1f}"),
+}
+
+
+def claims_table(m: dict[str, Any]) -> list[str]:
+    """README lines: every claim in `m` with its verdict sentence (`Claim.sentence`)."""
+    prefixes = [k[:-len("/verdict")] for k in m if k.startswith("claim/")
+                and k.endswith("/verdict")]
+    kinds = list(CLAIM_TEXT)
+    prefixes.sort(key=lambda p: (kinds.index(p.split("/")[1]) if p.split("/")[1] in kinds
+                                 else len(kinds), p))
+    if not prefixes:
+        return []
+    lines = ["", "Claims, paired by seed (difference method - baseline with its 95% t interval; "
+             "MDE: the smallest true difference these seeds would detect with 80% power):", "",
+             "| claim | verdict |", "|---|---|"]
+    for prefix in prefixes:
+        parts = prefix.split("/")
+        a, _, b = parts[-1].partition("_vs_")
+        text, fmt = CLAIM_TEXT.get(parts[1], (parts[1] + ": {a} vs {b}", "{:+.3f}"))
+        c: Claim | None = read_claim(m, prefix)
+        env = parts[2] if len(parts) > 3 else ""
+        lines.append(f"| {text.format(a=a, b=b, env=env)} | {c.sentence(fmt) if c else 'n/a'} |")
+    return lines

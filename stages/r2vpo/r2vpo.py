@@ -16,35 +16,45 @@ zero; stale replayed samples have ratios far from 1, inflate V_hat, raise lambda
 down-weighted instead of discarded.
 
 The paper's equations were not public when this was written: the loss, the dual update and all
-defaults are the reconstruction in ../shared/papers/r2vpo.md ([reconstructed]); each choice is a
-parameter here (centring on r_bar or on 1, additive or multiplicative dual step, EMA of V_hat,
-fixed lambda) so it can be ablated. These are pure tensor functions, shared by the LLM trainer
-(`stages.train.grpo`) and the continuous-control PPO subclass (`stages.r2vpo.control`).
+defaults are a reconstruction from its abstract ([reconstructed]); each choice is a parameter of
+`R2VPOParams` (centring on r_bar or on 1, additive or multiplicative dual step, EMA of V_hat,
+fixed lambda) so it can be ablated. The settings, the multiplier and these pure tensor functions
+are shared by the LLM trainer (`stages.r2vpo.trainer`, a TRL GRPO subclass) and the
+continuous-control PPO subclass (`stages.r2vpo.ppo`). The ratio itself and the clip diagnostic are
+the engine's (`stages.train.ratio`): every trainer logs them.
+
+Tensor methods only (no `import torch` here), so a stage Config holding `R2VPOParams` validates
+without loading torch.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
+from pydantic import BaseModel, ConfigDict, Field
 
-LOG_RATIO_CLAMP = 20.0  # numerical guard only (exp(20) ~ 5e8); how often it bites is logged
+from stages.train.ratio import masked_mean
 
-
-def policy_ratio(logp: torch.Tensor, logp_behaviour: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(r, clamped) with r = exp(clamp(log pi - log mu, +-20)); `clamped` marks where the guard bit."""
-    log_ratio = logp - logp_behaviour
-    clamped = log_ratio.abs() > LOG_RATIO_CLAMP
-    return torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)), clamped
+if TYPE_CHECKING:
+    import torch
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    if mask is None:
-        return x.mean()
-    mask = mask.to(x.dtype)
-    return (x * mask).sum() / mask.sum().clamp(min=1.0)
+class R2VPOParams(BaseModel):
+    """The ratio-variance constraint and its multiplier (all defaults [reconstructed]: the
+    paper's "suggested defaults" are not public; PPO's clip 0.2 keeps Var(r) ~ 0.005-0.02)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    epsilon: float = Field(0.01, gt=0, le=10, description="target Var(r): PPO clip 0.2 keeps "
+                                                           "Var(r) ~ 0.005-0.02")
+    lambda_init: float = Field(0.1, ge=0, le=1e4, description="lambda_0")
+    lambda_lr: float = Field(0.1, ge=0, le=100, description="eta_lambda, dual step size")
+    dual_rule: Literal["additive", "multiplicative", "fixed"] = Field(
+        "additive", description="lambda update; 'fixed' keeps lambda_init (ablation)")
+    center: Literal["mean", "one"] = Field("mean", description="Var around r_bar or around 1")
+    v_ema: float = Field(0.9, ge=0, lt=1, description="EMA of V_hat before the dual step")
 
 
 def ratio_variance(ratio: torch.Tensor, mask: torch.Tensor | None = None,
@@ -57,7 +67,7 @@ def ratio_variance(ratio: torch.Tensor, mask: torch.Tensor | None = None,
     if center == "mean":
         centre = masked_mean(ratio, mask)
     elif center == "one":
-        centre = torch.ones((), dtype=ratio.dtype, device=ratio.device)
+        centre = ratio.new_ones(())
     else:
         raise ValueError(f"center = {center!r}: expected 'mean' or 'one'")
     return masked_mean((ratio - centre) ** 2, mask)
@@ -81,16 +91,8 @@ def r2vpo_loss(ratio: torch.Tensor, advantages: torch.Tensor, lam: float,
 def clipped_surrogate_loss(ratio: torch.Tensor, advantages: torch.Tensor, clip: float,
                            mask: torch.Tensor | None = None) -> torch.Tensor:
     """The PPO/GRPO baseline: -mean(min(r A, clip(r, 1-c, 1+c) A)), for tests and control."""
-    clipped = torch.clamp(ratio, 1.0 - clip, 1.0 + clip)
-    return -masked_mean(torch.min(ratio * advantages, clipped * advantages), mask)
-
-
-def clip_fraction(ratio: torch.Tensor, advantages: torch.Tensor, clip: float,
-                  mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Share of entries whose gradient the clip would zero (r beyond the range in the advantage's
-    direction): the diagnostic the spec asks to log for every arm."""
-    cut = ((ratio > 1.0 + clip) & (advantages > 0)) | ((ratio < 1.0 - clip) & (advantages < 0))
-    return masked_mean(cut.to(ratio.dtype), mask)
+    clipped = ratio.clamp(1.0 - clip, 1.0 + clip)
+    return -masked_mean((ratio * advantages).minimum(clipped * advantages), mask)
 
 
 @dataclass
@@ -104,6 +106,12 @@ class DualState:
     ema: float = 0.9                 # EMA of V_hat before the dual step (0 = raw V_hat)
     v_ema: float | None = None       # smoothed V_hat; None before the first update
     lam_max: float = 1e4             # guard against a runaway multiplicative step
+
+    @classmethod
+    def from_params(cls, p: R2VPOParams) -> "DualState":
+        """lambda = lambda_0, before any update, with the rule and step size of `p`."""
+        return cls(lam=p.lambda_init, lr=p.lambda_lr, epsilon=p.epsilon, rule=p.dual_rule,
+                   ema=p.v_ema)
 
     def update(self, variance: float) -> float:
         """One dual step from a measured (detached) V_hat; returns the new lambda.

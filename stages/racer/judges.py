@@ -214,7 +214,7 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     from stages.core.checks import validate_frame
     from stages.models.base import set_threads
     from stages.models.generate import load_model
-    from stages.hsir.self_improve import sft
+    from stages.train.sft import sft
 
     set_threads(cfg.num_threads)
     items = build_items(cfg, ctx.seed)
@@ -243,6 +243,5 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
                           {f"{name}/{k}": v for k, v in m.items()}, step=s))
             metrics.update({f"{name}/{k}": float(v) for k, v in got.items()
                             if isinstance(v, (int, float))})
-            model.save_pretrained(str(tmp / name), safe_serialization=True)
-            tokenizer.save_pretrained(str(tmp / name))
+            io.save_model(model, tokenizer, tmp / name)
     return metrics

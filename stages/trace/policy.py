@@ -106,8 +106,7 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
                 name = condition_name(mix, steps)
                 model.eval()
                 model.generation_config.pad_token_id = tokenizer.pad_token_id
-                model.save_pretrained(str(tmp / name), safe_serialization=True)
-                tokenizer.save_pretrained(str(tmp / name))
+                io.save_model(model, tokenizer, tmp / name)
                 model.train()
                 conditions.append({"condition": name, "mix": mix, "steps": steps})
                 metrics[f"{name}/train_loss"] = got["train_loss"]

@@ -6,12 +6,11 @@ Paper [secondary]: GRPO on Qwen2.5-7B / GSM8K, accuracy-only reward 76.2 vs accu
 budgets. `gate_on_correct: true` pays the TRACE term only on correct responses (spec §6 reward-
 hacking guard; off by default, as in the reconstructed form).
 
-Engine: the shared GRPO trainer of stages/train/grpo.py (TRL's GRPOTrainer subclass, the exact
-arith verifier reward, its evaluation helpers), unchanged. Its `bonus` choices are a closed
-list, so the TRACE term is added here as one more TRL reward function; `train_arm` repeats the
-~40 lines of setup of `grpo.train_grpo` with that extra reward (grpo.py is a dependency of the
-committed dvc.lock files of other pipelines, so it is not edited). After training: greedy
-accuracy and mean TRACE of the greedy CoTs on the held-out prompts, per seed.
+Engine: `stages.train.grpo` (TRL's GRPOTrainer with its clipped loss and the exact arith verifier
+reward), extended, not copied: the TRACE term is one more reward (`TraceReward`, which loads the
+tagger once per run) and the evaluation before and after training is TRACE's own
+(`TraceEvaluation`: greedy accuracy, mean TRACE of the greedy CoTs, length, empty-set rate on the
+held-out prompts), per seed.
 
     python -m stages trace rl_acc      # lambda = 0
     python -m stages trace rl_trace    # lambda = 0.5
@@ -21,62 +20,66 @@ from __future__ import annotations
 
 import json
 import math
-import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Literal
 
-import polars as pl
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from stages.core import io
-from stages.train import grpo
+from stages.core.stats import mean_std
 from stages.trace import trace
+from stages.train import grpo
+
+# Per-seed results kept in finals.parquet (and averaged into the metrics), in this order.
+SCORES = ("acc", "trace", "len", "empty_set_rate")
+FINALS = (*(f"initial_{k}" for k in SCORES), *(f"final_{k}" for k in SCORES),
+          "train_seconds", "steps", "rollouts")
 
 
-class Config(grpo.GRPOParams):
-    family: str = Field("arith", description="task family whose verifier gives the reward")
-    method: str | None = Field(None, description="method name (default: the stage name)")
-    seeds: list[int] = Field(default_factory=lambda: [0, 1, 2], min_length=1)
+class Config(grpo.GRPOArm):
+    family: Literal["arith"] = Field("arith", description="task family whose verifier gives "
+                                                          "the reward (TRACE tags arith CoTs)")
     model: str = Field("policies", description="paths key of the policy folder")
     start: str = Field("d50_s200", description="condition (sub-folder) RL starts from")
     prompts: str = Field("corpus", description="paths key of train.parquet / test.parquet")
     tagger: str = Field("tagger", description="paths key of the tagger folder")
-    out: str = Field("runs", description="paths key of the folder holding <out>/<stage>/")
     tables: trace.Tables = Field(default_factory=trace.Tables)
     trace_weight: float = Field(0.5, ge=0, le=10, description="lambda [reconstructed: 0.5]; "
                                                               "0 = accuracy-only reward")
     gate_on_correct: bool = Field(False, description="TRACE term only on correct responses")
-    register_as: str | None = Field(None, description="registered model name (first seed)")
-    workers: int = Field(1, ge=1, le=64, description="seeds trained at once (processes)")
-
-    @model_validator(mode="after")
-    def _unique_seeds(self) -> "Config":
-        if len(set(self.seeds)) != len(self.seeds):
-            raise ValueError(f"seeds {self.seeds} repeat a value")
-        if self.bonus != "none":
-            raise ValueError("bonus must stay 'none' here: the TRACE term is trace_weight")
-        return self
+    eval_every: int | None = Field(None, ge=1, description="rounds between held-out "
+                                   "evaluations (None: only before and after training)")
 
 
-def trace_reward(tagger_dir: Path, tables: trace.Tables, weight: float, gate: bool
-                 ) -> Callable[..., list[float]]:
-    """A TRL reward function: weight * TRACE(CoT) (times 1[correct] when gated)."""
-    from stages.tasks import arith
+@dataclass(frozen=True)
+class TraceReward:
+    """The TRACE term of the reward, weight * TRACE(CoT) (times 1[correct] when gated); TRL adds
+    it to the verifier's 0/1. The tagger is loaded once per run, when the engine binds it."""
 
-    tagger = trace.ClassifierTagger.load(tagger_dir)
+    tagger_dir: Path
+    tables: trace.Tables
+    weight: float
+    gate: bool = False
 
-    def trace_bonus(prompts: list[str], completions: list[str], answer: list[int],
-                    **_: Any) -> list[float]:
-        seqs = trace.tag_cots(tagger, [trace.cot_block(c) for c in completions])
-        out = []
-        for seq, c, a in zip(seqs, completions, answer):
-            t = trace.trace_score(seq, tables)["trace"]
-            if gate and not arith.verify_answer({"answer": a}, c):
-                t = 0.0
-            out.append(weight * t)
-        return out
+    def bind(self, model: Any, tokenizer: Any) -> grpo.RewardFunc:
+        from stages.tasks import arith
 
-    return trace_bonus
+        tagger = trace.ClassifierTagger.load(self.tagger_dir)
+        tables, weight, gate = self.tables, self.weight, self.gate
+
+        def trace_bonus(prompts: list[str], completions: list[str], answer: list[int],
+                        **_: Any) -> list[float]:
+            seqs = trace.tag_cots(tagger, [trace.cot_block(c) for c in completions])
+            out = []
+            for seq, c, a in zip(seqs, completions, answer):
+                t = trace.trace_score(seq, tables)["trace"]
+                if gate and not arith.verify_answer({"answer": a}, c):
+                    t = 0.0
+                out.append(weight * t)
+            return out
+
+        return trace_bonus
 
 
 def evaluate(model: Any, tokenizer: Any, rows: list[dict[str, Any]], tagger_dir: Path,
@@ -96,76 +99,24 @@ def evaluate(model: Any, tokenizer: Any, rows: list[dict[str, Any]], tagger_dir:
             "empty_set_rate": sum(1 for s in seqs for l in s if not l) / max(1, n_sent)}
 
 
-def train_arm(params: grpo.GRPOParams, start: Path, tagger_dir: Path, tables: trace.Tables,
-              weight: float, gate: bool, train_rows: list[dict[str, Any]],
-              eval_rows: list[dict[str, Any]], seed: int, out_dir: Path) -> dict[str, Any]:
-    """GRPO from `start` with reward 1[correct] (+ weight * TRACE); the policy to `out_dir`."""
-    import tempfile
+@dataclass(frozen=True)
+class TraceEvaluation:
+    """The engine's evaluation hook: `evaluate` with this tagger and these tables."""
 
-    import torch
-    from datasets import Dataset
-    from transformers import set_seed
-    from trl import GRPOConfig
+    tagger_dir: Path
+    tables: trace.Tables
+    max_new_tokens: int
+    batch_size: int
 
-    from stages.models.generate import load_model
-
-    if params.num_threads:
-        torch.set_num_threads(params.num_threads)
-    set_seed(seed)
-    model, tokenizer = load_model(start)
-    eval_rows = eval_rows[: params.eval_rows] if params.eval_rows else eval_rows
-    before = evaluate(model, tokenizer, eval_rows, tagger_dir, tables,
-                      params.max_completion_length, params.eval_batch_size)
-    model.train()
-    dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": int(r["answer"])}
-                                 for r in train_rows])
-    per_step = params.prompts_per_round * params.num_generations // params.minibatches
-    rewards = [grpo.verifier_reward("arith")]
-    if weight > 0:
-        rewards.append(trace_reward(tagger_dir, tables, weight, gate))
-    with tempfile.TemporaryDirectory(prefix="paperline-trace-rl-") as scratch:
-        config = GRPOConfig(
-            output_dir=scratch, max_steps=params.rounds * params.steps_per_round,
-            per_device_train_batch_size=per_step, steps_per_generation=params.minibatches,
-            num_generations=params.num_generations, num_iterations=params.num_iterations,
-            max_completion_length=params.max_completion_length, temperature=params.temperature,
-            top_k=0, top_p=1.0, learning_rate=params.lr, lr_scheduler_type="constant",
-            beta=params.beta, epsilon=params.clip_epsilon, loss_type=params.loss_type,
-            max_grad_norm=params.max_grad_norm, logging_steps=params.steps_per_round,
-            save_strategy="no", report_to="none", use_cpu=not torch.cuda.is_available(),
-            bf16=False, gradient_checkpointing=False, seed=seed, data_seed=seed,
-            dataloader_pin_memory=False, disable_tqdm=True, shuffle_dataset=True)
-        trainer = grpo._trainer_class()(model=model, processing_class=tokenizer,
-                                        reward_funcs=rewards, args=config,
-                                        train_dataset=dataset, params=params)
-        started = time.perf_counter()
-        trainer.train()
-        seconds = time.perf_counter() - started
-    history = [h for h in trainer.state.log_history if "reward" in h]
-    model.eval()
-    after = evaluate(model, tokenizer, eval_rows, tagger_dir, tables,
-                     params.max_completion_length, params.eval_batch_size)
-    with io.atomic_path(out_dir, is_dir=True) as tmp:
-        model.save_pretrained(str(tmp), safe_serialization=True)
-        tokenizer.save_pretrained(str(tmp))
-    return {"metrics": {**{f"initial_{k}": v for k, v in before.items()},
-                        **{f"final_{k}": v for k, v in after.items()},
-                        "train_seconds": seconds, "steps": float(trainer.state.global_step),
-                        "rollouts": float(trainer.rollouts)},
-            "history": [{"step": h.get("step", i), "reward": h["reward"]}
-                        for i, h in enumerate(history)]}
-
-
-def _train_seed(job: tuple[Any, ...]) -> dict[str, Any]:
-    import torch
-
-    threads, *args = job
-    if threads:
-        torch.set_num_threads(threads)
-    return train_arm(*args)
+    def __call__(self, model: Any, tokenizer: Any,
+                 rows: list[dict[str, Any]]) -> dict[str, float]:
+        return evaluate(model, tokenizer, rows, self.tagger_dir, self.tables,
+                        self.max_new_tokens, self.batch_size)
 
 
 def run(cfg: Config, ctx: Any) -> dict[str, float]:
+    import polars as pl
+
     from stages.core.checks import read_parquet_checked
     from stages.tasks import arith
 
@@ -181,55 +132,34 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
         raise ValueError(f"{ctx.stage}.start = {cfg.start!r}: no such policy; conditions are "
                          f"{[c['condition'] for c in names]}")
     tagger_dir = ctx.path(cfg.tagger)
-    settings = grpo.GRPOParams.model_validate(
-        {k: v for k, v in cfg.model_dump().items() if k in grpo.GRPOParams.model_fields})
+    rewards = ([TraceReward(tagger_dir, cfg.tables, cfg.trace_weight, cfg.gate_on_correct)]
+               if cfg.trace_weight > 0 else [])
+    evaluation = TraceEvaluation(tagger_dir, cfg.tables, cfg.max_completion_length,
+                                 cfg.eval_batch_size)
+    settings = cfg.model_dump(mode="json")
     out = ctx.path(cfg.out) / ctx.stage
-    per_seed: dict[int, dict[str, Any]] = {}
     with io.atomic_path(out, is_dir=True) as tmp:
-        jobs = {seed: (settings, start, tagger_dir, cfg.tables, cfg.trace_weight,
-                       cfg.gate_on_correct, train_rows, eval_rows, seed, tmp / f"seed{seed}")
-                for seed in cfg.seeds}
-        if cfg.workers > 1 and len(cfg.seeds) > 1:
-            import multiprocessing
-            import os
-            from concurrent.futures import ProcessPoolExecutor
-
-            n = min(cfg.workers, len(cfg.seeds))
-            threads = settings.num_threads or max(1, (os.cpu_count() or 1) // n)
-            with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn")) as pool:
-                per_seed = dict(zip(cfg.seeds, pool.map(
-                    _train_seed, [(threads, *jobs[s]) for s in cfg.seeds])))
-        else:
-            per_seed = {s: train_arm(*jobs[s]) for s in cfg.seeds}
-        rows = []
-        for seed in cfg.seeds:
-            res = per_seed[seed]
-            rows.append({"method": method, "seed": seed, **res["metrics"]})
-            if ctx.tracker is not None:
-                with ctx.tracker.method_run("rl", method, seed,
-                                            params={**settings.model_dump(mode="json"),
-                                                    "trace_weight": cfg.trace_weight}) as mr:
-                    for h in res["history"]:
-                        mr.log_metrics({"train/reward": h["reward"]}, int(h["step"]))
-                    mr.log_metrics(res["metrics"])
+        results = grpo.train_seeds(
+            cfg, start, cfg.family, train_rows, eval_rows, cfg.seeds, tmp, workers=cfg.workers,
+            rewards=rewards, evaluate=evaluation,
+            method_run=lambda seed: ctx.method_run("rl", method, seed, params=settings))
+        rows = [{"method": method, "seed": seed,
+                 **{k: results[seed]["metrics"][k] for k in FINALS}} for seed in cfg.seeds]
         io.write_parquet(tmp / "finals.parquet", pl.DataFrame(rows))
         io.write_json(tmp / "budget.json", {"method": method, "trace_weight": cfg.trace_weight,
-                                            "tables": cfg.tables.version, **settings.budget})
+                                            "tables": cfg.tables.version, **cfg.budget})
     if cfg.register_as and ctx.tracker is not None:
         first = out / f"seed{cfg.seeds[0]}"
         ctx.tracker.register_model(first, cfg.register_as, aliases=[method.replace("_", "-")],
                                    tags={"paperline.method": method,
                                          "paperline.seed": str(cfg.seeds[0])})
-        ctx.tracker.annotate_model(first, {k: per_seed[cfg.seeds[0]]["metrics"][k]
-                                           for k in ("final_acc", "final_trace")})
+        ctx.tracker.annotate_model(first, {k: rows[0][k] for k in ("final_acc", "final_trace")})
+    bad = [(r["seed"], k) for r in rows for k in FINALS if not math.isfinite(r[k])]
+    if bad:
+        raise ValueError(f"{ctx.stage}: NaN in the results of (seed, metric) {bad}")
     metrics: dict[str, float] = {}
-    for key in rows[0]:
-        if key in ("method", "seed"):
-            continue
-        mean, std = grpo.mean_std([float(r[key]) for r in rows])
-        metrics[f"{key}_mean"], metrics[f"{key}_std"] = mean, std
+    for key in FINALS:
+        metrics[f"{key}_mean"], metrics[f"{key}_std"] = mean_std([r[key] for r in rows])
     metrics["seeds"] = float(len(cfg.seeds))
     metrics["trace_weight"] = cfg.trace_weight
-    if any(math.isnan(v) for v in metrics.values()):
-        raise ValueError(f"{ctx.stage}: NaN in metrics {metrics}")
     return metrics

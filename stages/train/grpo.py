@@ -1,27 +1,36 @@
-"""Shared GRPO trainer: TRL's `GRPOTrainer` with verifier rewards, a pluggable policy loss,
-rollout replay and the diagnostics the policy-optimisation papers compare on.
+"""GRPO engine: TRL's `GRPOTrainer` with verifier rewards, open for extension the TRL way.
 
-GRPO (Shao et al. 2024, DeepSeekMath) samples G completions per prompt from the behaviour policy
-mu = pi_old, scores them (here: the task family's exact verifier, reward 1 if the final answer is
-right, else 0), and uses the group-normalised advantage
+GRPO (Shao et al. 2024, DeepSeekMath, arXiv 2402.03300 §4.1) samples G completions per prompt
+from the behaviour policy mu = pi_old, scores them (here: the task family's exact verifier, reward
+1 if the final answer is right, else 0, plus any extra reward terms), and uses the
+group-normalised advantage
 
     A_i = (R_i - mean_G R) / (std_G R + 1e-4)        shared by every token of completion i
 
 in the clipped surrogate  -mean_t min(r_t A, clip(r_t, 1-eps, 1+eps) A),  r_t = pi/mu.
 
-This module subclasses TRL (never forks it), so the same code runs under accelerate / DeepSpeed /
-vLLM on GPU workers. What it adds:
+A paper builds on this engine in three ways, never by copying it:
 
-- `policy_loss: clip` is TRL's own loss, untouched (the baseline); `policy_loss: r2vpo` replaces it
-  by the ratio-variance Lagrangian of `stages.r2vpo.r2vpo` with its dual multiplier.
-- `replay_batches: K` reuses the completions of the previous K generation rounds, each with the
-  log-probs of the policy that sampled it (mu), next to the fresh ones: stale data that clipping
-  ignores and R²VPO down-weights. Rollouts *consumed* (fresh completions) are counted either way.
-- every optimizer step logs reward, accuracy, KL (if beta > 0), entropy, ratio mean / variance,
-  the share of tokens the clip cuts (or would cut), lambda, rollouts and tokens generated.
+- **rewards**: `train_grpo(..., rewards=[...])` adds reward terms next to the verifier's; TRL sums
+  them. A term is a TRL reward function, or a `PolicyReward` whose `bind(model, tokenizer)` is
+  called once the policy is loaded (a term that reads the policy's hidden states, or loads a
+  tagger once per run). H-GRPO's InDiv bonus and TRACE's argument-quality reward are such terms.
+- **loss**: `train_grpo(..., trainer_cls=...)` takes a subclass of
+  `stages.train.grpo_trainer.GRPOTrainer` overriding `policy_loss(model, inputs)`; the base class
+  is TRL's clipped loss, untouched (R²VPO's ratio-variance Lagrangian is such a subclass).
+- **evaluation**: `train_grpo(..., evaluate=...)` replaces the held-out greedy accuracy of the
+  curve by the paper's own measure.
 
-Optimizer steps per generation round = `minibatches * num_iterations` (TRL's
-`steps_per_generation` and `num_iterations`); every arm of a comparison shares these budgets.
+Also here: `replay_batches: K` reuses the completions of the previous K generation rounds (each
+with the log-probs of the policy that sampled it) next to the fresh ones; every optimizer step logs
+reward, accuracy, KL (if beta > 0), entropy, the ratio's mean / variance, the share of tokens the
+clip cuts, rollouts and tokens generated. Optimizer steps per generation round = `minibatches *
+num_iterations` (TRL's `steps_per_generation` and `num_iterations`); every arm of a comparison
+shares these budgets. `train_seeds` runs one arm's seeds (in worker processes if asked) and
+`train_arm` is the body of a plain RL-arm stage (prompts in; policies, curve and budget out).
+
+TRL, torch and transformers are imported only when training starts (the trainer class lives in
+`stages.train.grpo_trainer`): stage Configs built on `GRPOParams` validate without them.
 """
 
 from __future__ import annotations
@@ -30,35 +39,21 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Callable, ContextManager, Literal, Protocol, Sequence, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from stages.core import io
-
-
-class R2VPOParams(BaseModel):
-    """Ratio-variance constraint (../shared/papers/r2vpo.md §2; all [reconstructed] defaults)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    epsilon: float = Field(0.01, gt=0, le=10, description="target Var(r): PPO clip 0.2 keeps "
-                                                           "Var(r) ~ 0.005-0.02")
-    lambda_init: float = Field(0.1, ge=0, le=1e4, description="lambda_0")
-    lambda_lr: float = Field(0.1, ge=0, le=100, description="eta_lambda, dual step size")
-    dual_rule: Literal["additive", "multiplicative", "fixed"] = Field(
-        "additive", description="lambda update; 'fixed' keeps lambda_init (ablation)")
-    center: Literal["mean", "one"] = Field("mean", description="Var around r_bar or around 1")
-    v_ema: float = Field(0.9, ge=0, lt=1, description="EMA of V_hat before the dual step")
+from stages.core.stats import mean_std
 
 
 class GRPOParams(BaseModel):
-    """One GRPO run: budgets, sampling and the policy loss. Shared by every RL stage."""
+    """One GRPO run: budgets, sampling, the loss's settings and the evaluation curve."""
 
     model_config = ConfigDict(extra="forbid")
 
-    policy_loss: Literal["clip", "r2vpo"] = Field("clip", description="clip: TRL's GRPO loss; "
-                                                  "r2vpo: ratio-variance Lagrangian")
+    policy_loss: Literal["clip"] = Field("clip", description="clip: TRL's clipped GRPO surrogate "
+                                         "(a stage with its own trainer subclass widens this)")
     rounds: int = Field(50, ge=1, le=1_000_000, description="generation rounds (rollout budget "
                                                           "= rounds * prompts_per_round * G)")
     prompts_per_round: int = Field(8, ge=1, le=100_000, description="prompts sampled per round")
@@ -76,18 +71,10 @@ class GRPOParams(BaseModel):
     clip_epsilon: float = Field(0.2, gt=0, le=10, description="clip range of the clip loss; "
                                                               "also the range clip_fraction uses")
     loss_type: Literal["bnpo"] = Field("bnpo", description="token mean over the micro-batch, "
-                                                           "for both losses (fixed across arms)")
+                                                           "for every loss (fixed across arms)")
     max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping")
-    r2vpo: R2VPOParams = Field(default_factory=R2VPOParams)
-    bonus: Literal["none", "indiv", "length"] = Field(
-        "none", description="extra reward on correct responses: indiv = H-GRPO's w * z_G(InDiv) "
-                            "(stages.hsir.hsir); length = -w * z_G(length), the length-penalty "
-                            "baseline")
-    bonus_weight: float = Field(0.2, ge=0, le=10, description="w of the bonus (H-GRPO: 0.2)")
-    indiv_method: Literal["eigenscore", "spectral_entropy"] = Field(
-        "eigenscore", description="InDiv formula [reconstructed] (bonus: indiv)")
-    indiv_layer: int | Literal["middle"] = Field(-1, description="hidden layer InDiv reads")
-    eval_every: int = Field(10, ge=1, description="rounds between held-out greedy evaluations")
+    eval_every: int | None = Field(10, ge=1, description="rounds between held-out evaluations "
+                                                         "(None: only before and after training)")
     eval_rows: int | None = Field(200, ge=1, description="held-out prompts evaluated (None: all)")
     eval_batch_size: int = Field(256, ge=1, le=8192, description="sequences decoded together")
     num_threads: int = Field(0, ge=0, le=512, description="torch CPU threads (0: all cores)")
@@ -116,9 +103,57 @@ class GRPOParams(BaseModel):
                 "max_completion_length": self.max_completion_length}
 
 
-# --- rewards --------------------------------------------------------------------------------
+class GRPOArm(GRPOParams):
+    """An RL arm: GRPO settings + where to start, what to train on, which seeds.
 
-def verifier_reward(family: str) -> Callable[..., list[float]]:
+    A paper's RL stage Config subclasses this (its params section is the stage name). Arms of one
+    comparison must share `GRPOParams.budget` (the pipeline's compare stage refuses otherwise).
+    """
+
+    family: str = Field("arith", description="task family whose verifier gives the reward")
+    method: str | None = Field(None, description="method name in MLflow/compare (default: the "
+                                                 "stage name)")
+    seeds: list[int] = Field(default_factory=lambda: [0, 1, 2], min_length=1,
+                             description="training seeds; each starts from the same model")
+    model: str = Field("base_model", description="paths key of the starting policy folder")
+    prompts: str = Field("rl_prompts", description="paths key of the RL prompt folder "
+                                                   "(train.parquet, test.parquet)")
+    out: str = Field("runs", description="paths key of the folder holding <out>/<stage>/")
+    register_as: str | None = Field(None, description="registered model name, e.g. r2vpo-policy "
+                                                      "(the first seed's policy; alias = method)")
+    workers: int = Field(1, ge=1, le=64, description="seeds trained at once, each in its own "
+                         "process (with num_threads 0 the cores are split between them); the "
+                         "results do not depend on it, only wall time")
+
+    @model_validator(mode="after")
+    def _unique_seeds(self) -> "GRPOArm":
+        if len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f"seeds {self.seeds} repeat a value")
+        return self
+
+
+# --- rewards and evaluation -------------------------------------------------------------------
+
+RewardFunc = Callable[..., list[float]]
+"""A TRL reward function: `(prompts, completions, <dataset columns, e.g. answer>, **kwargs)` ->
+one float per completion. TRL sums the outputs of every reward function of a run."""
+
+Evaluation = Callable[[Any, Any, list[dict[str, Any]]], dict[str, float]]
+"""`(model, tokenizer, held-out rows) -> {name: value}`: one point of the evaluation curve, with
+the model in eval mode. Default: `{"acc": greedy accuracy, "len": mean completion chars}`."""
+
+
+@runtime_checkable
+class PolicyReward(Protocol):
+    """A reward term that needs the run's policy (e.g. its hidden states) or something loaded once
+    per run: `train_grpo` calls `bind(model, tokenizer)` after loading the policy and hands TRL
+    the reward function it returns. With `workers > 1` a term must pickle (a module-level
+    dataclass does), since each seed's process binds its own."""
+
+    def bind(self, model: Any, tokenizer: Any) -> RewardFunc: ...
+
+
+def verifier_reward(family: str) -> RewardFunc:
     """A TRL reward function: 1.0 when the family's exact verifier accepts the final answer."""
     from stages.tasks import get_family
 
@@ -132,205 +167,6 @@ def verifier_reward(family: str) -> Callable[..., list[float]]:
     correct.__name__ = "correct"  # TRL logs it as rewards/correct/mean = training accuracy
     return correct
 
-
-def bonus_reward(kind: str, weight: float, group_size: int, family: str, model: Any,
-                 tokenizer: Any, method: str = "eigenscore", layer: Any = -1
-                 ) -> Callable[..., list[float]]:
-    """The bonus part of the reward, added by TRL to the verifier's 0/1 (rewards are summed).
-
-    TRL passes the completions of a generation batch in groups of G consecutive responses to one
-    prompt, which is what the within-group z-score needs.
-      indiv   H-GRPO (hsir spec §2 [reconstructed form]): w * z_G(InDiv) on correct responses,
-              InDiv from the *current* policy's hidden states and attention.
-      length  the length-penalty baseline: -w * z_G(completion length) on correct responses.
-    """
-    from stages.tasks import get_family
-    from stages.hsir import hsir
-
-    fam = get_family(family)
-
-    def bonus(prompts: list[str], completions: list[str], answer: list[int],
-              **_: Any) -> list[float]:
-        correct = [fam.verify_answer({"answer": a}, c) for c, a in zip(completions, answer)]
-        if kind == "indiv":
-            import torch
-
-            was_training = model.training
-            model.eval()
-            try:
-                with torch.no_grad():
-                    score = hsir.indiv_scores(model, tokenizer, prompts, completions,
-                                              layer=layer, method=method)
-            finally:
-                model.train(was_training)
-        else:
-            score = [-float(len(c)) for c in completions]
-        total = hsir.hgrpo_rewards(correct, score, group_size, w=weight)
-        return [t - float(c) for t, c in zip(total, correct)]  # the bonus only
-
-    bonus.__name__ = f"{kind}_bonus"
-    return bonus
-
-
-# --- replay ---------------------------------------------------------------------------------
-
-_PROMPT_KEYS = ("prompt_ids", "prompt_mask")                   # left-padded
-_TOKEN_KEYS = ("completion_ids", "completion_mask", "old_per_token_logps",
-               "ref_per_token_logps")                            # right-padded, per token
-
-
-def concat_rollouts(batches: list[dict[str, Any]]) -> dict[str, Any]:
-    """Stack generation batches of different widths: prompts left-padded, tokens right-padded.
-
-    Padding is masked out (mask 0), so padded log-probs (0) never enter a loss.
-    """
-    import torch
-    import torch.nn.functional as F
-
-    out: dict[str, Any] = {}
-    keys = [k for k in batches[0] if all(k in b for b in batches)]
-    for key in keys:
-        values = [b[key] for b in batches]
-        if key == "num_items_in_batch":
-            out[key] = sum(values)
-        elif key in _PROMPT_KEYS:
-            width = max(v.shape[1] for v in values)
-            out[key] = torch.cat([F.pad(v, (width - v.shape[1], 0)) for v in values])
-        elif key in _TOKEN_KEYS:
-            width = max(v.shape[1] for v in values)
-            out[key] = torch.cat([F.pad(v, (0, width - v.shape[1])) for v in values])
-        elif torch.is_tensor(values[0]) and values[0].dim() >= 1:
-            out[key] = torch.cat(values)
-        else:
-            out[key] = values[0]
-    return out
-
-
-# --- the trainer ----------------------------------------------------------------------------
-
-def _trainer_class() -> type:
-    from trl import GRPOTrainer
-
-    from stages.r2vpo.r2vpo import (
-        DualState,
-        clip_fraction,
-        masked_mean,
-        policy_ratio,
-        r2vpo_loss,
-    )
-
-    class VerifierGRPOTrainer(GRPOTrainer):
-        """GRPOTrainer + policy-loss plug-in + replay + ratio diagnostics."""
-
-        def __init__(self, *args: Any, params: GRPOParams, **kwargs: Any):
-            super().__init__(*args, **kwargs)
-            self.params = params
-            r = params.r2vpo
-            self.dual = DualState(lam=r.lambda_init, lr=r.lambda_lr, epsilon=r.epsilon,
-                                  rule=r.dual_rule, ema=r.v_ema)
-            self.replay: list[dict[str, Any]] = []
-            self.rollouts = 0            # fresh completions generated (the sample budget)
-            self.tokens_generated = 0
-            self._captured_logps = None
-            self._capture = False
-
-        # Fresh rollouts, pushed to the replay buffer, plus the last K rounds (with their mu).
-        def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
-            fresh = super()._generate_and_score_completions(inputs)
-            if not self.model.training:
-                return fresh
-            self.rollouts += int(fresh["completion_ids"].shape[0])
-            self.tokens_generated += int(fresh["completion_mask"].sum().item())
-            self._metrics["train"]["rollouts"].append(float(self.rollouts))
-            self._metrics["train"]["tokens_generated"].append(float(self.tokens_generated))
-            k = self.params.replay_batches
-            if not k:
-                return fresh
-            stale = self.replay[-k:]
-            self.replay = [*stale, {key: (v.detach() if hasattr(v, "detach") else v)
-                                    for key, v in fresh.items()}][-k:]
-            self._metrics["train"]["replay_rows"].append(
-                float(sum(int(b["completion_ids"].shape[0]) for b in stale)))
-            return concat_rollouts([fresh, *stale]) if stale else fresh
-
-        def _get_per_token_logps_and_entropies(self, *args: Any, **kwargs: Any):
-            out = super()._get_per_token_logps_and_entropies(*args, **kwargs)
-            if self._capture:
-                self._captured_logps = out[0]
-            return out
-
-        def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> Any:
-            if self.params.policy_loss == "clip":
-                self._capture = True
-                try:
-                    loss = super()._compute_loss(model, inputs)   # TRL's clipped GRPO, as is
-                finally:
-                    self._capture = False
-                logps = self._captured_logps.detach()
-                old = inputs.get("old_per_token_logps")
-                self._log_ratio_stats(logps, logps if old is None else old, inputs)
-                return loss
-            return self._r2vpo_loss(model, inputs)
-
-        def _log_ratio_stats(self, logps: Any, old: Any, inputs: dict[str, Any]) -> Any:
-            import torch
-
-            mode = "train" if self.model.training else "eval"
-            mask = inputs["completion_mask"]
-            adv = inputs["advantages"]
-            adv = adv.unsqueeze(1) if adv.dim() == 1 else adv
-            with torch.no_grad():
-                ratio, clamped = policy_ratio(logps, old)
-                mean = masked_mean(ratio, mask)
-                var = masked_mean((ratio - mean) ** 2, mask)
-                m = self._metrics[mode]
-                m["ratio/mean"].append(mean.item())
-                m["ratio/var"].append(var.item())
-                m["ratio/clip_fraction"].append(
-                    clip_fraction(ratio, adv, self.params.clip_epsilon, mask).item())
-                m["ratio/log_clamped"].append(masked_mean(clamped.float(), mask).item())
-            return ratio
-
-        def _r2vpo_loss(self, model: Any, inputs: dict[str, Any]) -> Any:
-            import torch
-
-            p = self.params.r2vpo
-            prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
-            completion_ids, mask = inputs["completion_ids"], inputs["completion_mask"]
-            input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-            attention_mask = torch.cat([prompt_mask, mask], dim=1)
-            logps, entropies, _ = self._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, completion_ids.size(1), compute_entropy=True)
-            old = inputs.get("old_per_token_logps")
-            old = logps.detach() if old is None else old
-            adv = inputs["advantages"]
-            adv = adv.unsqueeze(1) if adv.dim() == 1 else adv
-            ratio, _ = policy_ratio(logps, old)
-            # Lagrangian with lambda detached (a plain float): the primal step never moves it.
-            loss, variance = r2vpo_loss(ratio, adv, lam=self.dual.lam, epsilon=p.epsilon,
-                                        mask=mask, center=p.center)
-            mode = "train" if self.model.training else "eval"
-            m = self._metrics[mode]
-            if self.beta != 0.0:
-                ref = inputs["ref_per_token_logps"]
-                kl = torch.exp(ref - logps) - (ref - logps) - 1
-                loss = loss + self.beta * masked_mean(kl, mask)
-                m["kl"].append(masked_mean(kl.detach(), mask).item())
-            m["entropy"].append(masked_mean(entropies.detach(), mask).item())
-            m["policy_loss"].append(loss.detach().item())
-            self._log_ratio_stats(logps.detach(), old, inputs)
-            if mode == "train":
-                # Dual ascent on the detached V_hat, once per micro-batch (spec §2 pseudo-code).
-                m["r2vpo/v_hat"].append(variance.detach().item())
-                self.dual.update(variance.detach().item())
-                m["r2vpo/lambda"].append(self.dual.lam)
-                return loss / self.current_gradient_accumulation_steps
-            return loss
-
-    return VerifierGRPOTrainer
-
-
-# --- one run --------------------------------------------------------------------------------
 
 def greedy_accuracy(model: Any, tokenizer: Any, rows: list[dict[str, Any]], family: str,
                     max_new_tokens: int, batch_size: int) -> tuple[float, float]:
@@ -350,28 +186,26 @@ def greedy_accuracy(model: Any, tokenizer: Any, rows: list[dict[str, Any]], fami
     return sum(ok) / max(1, len(ok)), sum(len(o[0]) for o in outs) / max(1, len(outs))
 
 
-def tokens_per_solved(model: Any, tokenizer: Any, rows: list[dict[str, Any]], family: str,
-                      max_new_tokens: int, batch_size: int) -> float:
-    """Mean generated tokens over the greedy completions that are correct (HSIR's overhead)."""
-    from stages.models.generate import generate
-    from stages.tasks import get_family
-
-    fam = get_family(family)
-    outs = generate(model, tokenizer, [r["prompt"] for r in rows],
-                    max_new_tokens=max_new_tokens, batch_size=batch_size)
-    lengths = [len(tokenizer(o[0], add_special_tokens=False)["input_ids"])
-               for r, o in zip(rows, outs) if fam.verify_answer(r, o[0])]
-    return sum(lengths) / len(lengths) if lengths else 0.0
-
+# --- one run ----------------------------------------------------------------------------------
 
 def train_grpo(params: GRPOParams, model_dir: Path, family: str,
                train_rows: list[dict[str, Any]], eval_rows: list[dict[str, Any]], seed: int,
-               out_dir: Path, log: Callable[[dict[str, float], int], None] | None = None
-               ) -> dict[str, Any]:
-    """Run GRPO from the model at `model_dir`; save the policy to `out_dir` (atomically).
+               out_dir: Path, log: Callable[[dict[str, float], int], None] | None = None, *,
+               rewards: Sequence[RewardFunc | PolicyReward] = (),
+               trainer_cls: type | None = None,
+               evaluate: Evaluation | None = None) -> dict[str, Any]:
+    """Run GRPO from the model at `model_dir`; save the policy to `out_dir` (a `save_pretrained`
+    folder, written atomically, plus `policy_state.json`: rollouts, steps, the trainer's state).
 
-    Returns {"curve": [{round, step, rollouts, eval_acc, eval_len}], "metrics": {...}}.
-    The curve is evaluated before training (round 0) and every `eval_every` rounds.
+    Reward = the family's verifier (0/1) + every term of `rewards`. `trainer_cls`: a subclass of
+    `stages.train.grpo_trainer.GRPOTrainer` (default: that class, TRL's clipped loss); it is built
+    with `params=params`, so a subclass may read its own settings from a `params` subclass.
+    `evaluate`: the curve's measure (default: greedy accuracy and length on `eval_rows`).
+
+    Returns {"curve": [{round, step, rollouts, eval_<name>...}], "metrics": {initial_<name>,
+    final_<name>, rollouts, tokens_generated, steps, train_seconds, seconds_per_step, and the
+    trainer's `policy_metrics()`}}. The curve is evaluated before training (round 0), every
+    `eval_every` rounds and after the last step.
     """
     import tempfile
 
@@ -396,20 +230,32 @@ def train_grpo(params: GRPOParams, model_dir: Path, family: str,
     curve: list[dict[str, float]] = []
     trainer_ref: dict[str, Any] = {}
 
-    def evaluate(round_: int, step: int) -> None:
-        acc, length = greedy_accuracy(model, tokenizer, eval_rows, family,
-                                      params.max_completion_length, params.eval_batch_size)
+    def measure() -> dict[str, float]:
+        if evaluate is None:
+            acc, length = greedy_accuracy(model, tokenizer, eval_rows, family,
+                                          params.max_completion_length, params.eval_batch_size)
+            return {"acc": acc, "len": length}
+        was_training = model.training
+        model.eval()
+        try:
+            return evaluate(model, tokenizer, eval_rows)
+        finally:
+            model.train(was_training)
+
+    def evaluate_now(round_: int, step: int) -> None:
+        scores = {f"eval_{k}": float(v) for k, v in measure().items()}
         t = trainer_ref.get("trainer")
         point = {"round": float(round_), "step": float(step),
-                 "rollouts": float(t.rollouts if t else 0), "eval_acc": acc, "eval_len": length}
+                 "rollouts": float(t.rollouts if t else 0), **scores}
         curve.append(point)
         if log:
-            log({"eval_acc": acc, "eval_len": length, "rollouts": point["rollouts"]}, step)
+            log({**scores, "rollouts": point["rollouts"]}, step)
 
     class Hooks(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step % (params.steps_per_round * params.eval_every) == 0:
-                evaluate(state.global_step // params.steps_per_round, state.global_step)
+            if (params.eval_every is not None
+                    and state.global_step % (params.steps_per_round * params.eval_every) == 0):
+                evaluate_now(state.global_step // params.steps_per_round, state.global_step)
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if log and logs:
@@ -429,100 +275,107 @@ def train_grpo(params: GRPOParams, model_dir: Path, family: str,
             save_strategy="no", report_to="none", use_cpu=not torch.cuda.is_available(),
             bf16=False, gradient_checkpointing=False, seed=seed, data_seed=seed,
             dataloader_pin_memory=False, disable_tqdm=True, shuffle_dataset=True)
-        cls = _trainer_class()
-        rewards = [verifier_reward(family)]
-        if params.bonus != "none":
-            rewards.append(bonus_reward(params.bonus, params.bonus_weight,
-                                        params.num_generations, family, model, tokenizer,
-                                        params.indiv_method, params.indiv_layer))
-        trainer = cls(model=model, processing_class=tokenizer, reward_funcs=rewards, args=config,
-                      train_dataset=dataset, callbacks=[Hooks()], params=params)
+        if trainer_cls is None:
+            from stages.train.grpo_trainer import GRPOTrainer as trainer_cls
+        funcs = [verifier_reward(family)] + [
+            r.bind(model, tokenizer) if isinstance(r, PolicyReward) else r for r in rewards]
+        trainer = trainer_cls(model=model, processing_class=tokenizer, reward_funcs=funcs,
+                              args=config, train_dataset=dataset, callbacks=[Hooks()],
+                              params=params)
         trainer_ref["trainer"] = trainer
-        evaluate(0, 0)
+        evaluate_now(0, 0)
         started = time.perf_counter()
         trainer.train()
         seconds = time.perf_counter() - started
         if not curve or curve[-1]["step"] != trainer.state.global_step:
-            evaluate(trainer.state.global_step // params.steps_per_round,
-                     trainer.state.global_step)
+            evaluate_now(trainer.state.global_step // params.steps_per_round,
+                         trainer.state.global_step)
     model.eval()
-    with io.atomic_path(out_dir, is_dir=True) as tmp:
-        model.save_pretrained(str(tmp), safe_serialization=True)
-        tokenizer.save_pretrained(str(tmp))
-        (Path(tmp) / "policy_state.json").write_text(json.dumps(
-            {"policy_loss": params.policy_loss, "dual": trainer.dual.to_dict(),
-             "rollouts": trainer.rollouts, "tokens_generated": trainer.tokens_generated,
-             "steps": trainer.state.global_step}, indent=2))
     steps = trainer.state.global_step
+    io.save_model(model, tokenizer, out_dir)
+    io.write_text(Path(out_dir) / "policy_state.json", json.dumps(
+        {"policy_loss": params.policy_loss, **trainer.policy_state(),
+         "rollouts": trainer.rollouts, "tokens_generated": trainer.tokens_generated,
+         "steps": steps}, indent=2))
+    names = [k for k in curve[0] if k.startswith("eval_")]
     return {"curve": curve, "metrics": {
-        "final_acc": curve[-1]["eval_acc"], "initial_acc": curve[0]["eval_acc"],
-        "final_len": curve[-1]["eval_len"], "rollouts": float(trainer.rollouts),
-        "tokens_generated": float(trainer.tokens_generated), "steps": float(steps),
-        "train_seconds": seconds, "seconds_per_step": seconds / max(1, steps),
-        "lambda_final": trainer.dual.lam}}
+        **{f"initial_{k[5:]}": curve[0][k] for k in names},
+        **{f"final_{k[5:]}": curve[-1][k] for k in names},
+        "rollouts": float(trainer.rollouts), "tokens_generated": float(trainer.tokens_generated),
+        "steps": float(steps), "train_seconds": seconds,
+        "seconds_per_step": seconds / max(1, steps), **trainer.policy_metrics()}}
 
 
-# --- the stage: one arm of a comparison, several seeds ----------------------------------------
-
-class Config(GRPOParams):
-    """An RL arm: GRPO settings + where to start, what to train on, which seeds.
-
-    Every arm of a pipeline is a stage mapped to this module (stages/registry.py); its params
-    section is its stage name. Arms of one comparison must share `GRPOParams.budget` (the
-    pipeline's compare stage refuses to compare otherwise).
-    """
-
-    family: str = Field("arith", description="task family whose verifier gives the reward")
-    method: str | None = Field(None, description="method name in MLflow/compare (default: the "
-                                                 "stage name)")
-    seeds: list[int] = Field(default_factory=lambda: [0, 1, 2], min_length=1,
-                             description="training seeds; each starts from the same model")
-    model: str = Field("base_model", description="paths key of the starting policy folder")
-    prompts: str = Field("rl_prompts", description="paths key of the RL prompt folder "
-                                                   "(train.parquet, test.parquet)")
-    out: str = Field("runs", description="paths key of the folder holding <out>/<stage>/")
-    register_as: str | None = Field(None, description="registered model name, e.g. r2vpo-policy "
-                                                      "(the first seed's policy; alias = method)")
-    workers: int = Field(1, ge=1, le=64, description="seeds trained at once, each in its own "
-                         "process (with num_threads 0 the cores are split between them); the "
-                         "results do not depend on it, only wall time")
-
-    @model_validator(mode="after")
-    def _unique_seeds(self) -> "Config":
-        if len(set(self.seeds)) != len(self.seeds):
-            raise ValueError(f"seeds {self.seeds} repeat a value")
-        return self
-
-
-def rollouts_to_reach(curve: list[dict[str, float]], level: float) -> float | None:
-    """Rollouts consumed when held-out accuracy first reaches `level` (None: never)."""
-    for point in curve:
-        if point["eval_acc"] >= level:
-            return point["rollouts"]
-    return None
-
-
-def mean_std(values: list[float]) -> tuple[float, float]:
-    """Mean and population std (ddof=0) over seeds."""
-    n = len(values)
-    mean = sum(values) / n
-    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / n)
-
+# --- one arm: several seeds -------------------------------------------------------------------
 
 def _train_seed(job: tuple[Any, ...]) -> tuple[dict[str, Any], list[tuple[dict, Any]]]:
     """One seed in a worker process: the result and the metrics it would have logged live."""
     import torch
 
-    settings, threads, start, family, train_rows, eval_rows, seed, out_dir = job
+    threads, args, kwargs = job
     if threads:
         torch.set_num_threads(threads)
     records: list[tuple[dict, Any]] = []
-    result = train_grpo(settings, start, family, train_rows, eval_rows, seed, out_dir,
-                        log=lambda metrics, step=None: records.append((metrics, step)))
+    result = train_grpo(*args, log=lambda metrics, step=None: records.append((metrics, step)),
+                        **kwargs)
     return result, records
 
 
-def run(cfg: Config, ctx: Any) -> dict[str, float]:
+def train_seeds(params: GRPOParams, model_dir: Path, family: str,
+                train_rows: list[dict[str, Any]], eval_rows: list[dict[str, Any]],
+                seeds: Sequence[int], out: Path, *, workers: int = 1,
+                method_run: Callable[[int], ContextManager[Any]] | None = None,
+                rewards: Sequence[RewardFunc | PolicyReward] = (),
+                trainer_cls: type | None = None,
+                evaluate: Evaluation | None = None) -> dict[int, dict[str, Any]]:
+    """`train_grpo` for every seed, each from `model_dir` into `out/seed<k>`; {seed: result}.
+
+    `method_run(seed)` (e.g. `lambda s: ctx.method_run("rl", method, s, params)`) gives the run
+    each seed's curve and final metrics are logged to. With `workers > 1` the seeds train in
+    spawned processes (no forked torch/MLflow threads; a tiny model keeps one core busy per
+    process better than two threads keep two) and each seed's records reach its run afterwards,
+    with the same steps: the results do not depend on `workers`, only wall time does.
+    """
+    import contextlib
+
+    kwargs = {"rewards": list(rewards), "trainer_cls": trainer_cls, "evaluate": evaluate}
+    done: dict[int, tuple[dict[str, Any], list[tuple[dict, Any]]]] = {}
+    if workers > 1 and len(seeds) > 1:
+        import multiprocessing
+        import os
+        from concurrent.futures import ProcessPoolExecutor
+
+        n = min(workers, len(seeds))
+        threads = params.num_threads or max(1, (os.cpu_count() or 1) // n)
+        jobs = [(threads, (params, model_dir, family, train_rows, eval_rows, seed,
+                           out / f"seed{seed}"), kwargs) for seed in seeds]
+        with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn")) as pool:
+            done = dict(zip(seeds, pool.map(_train_seed, jobs)))
+    results: dict[int, dict[str, Any]] = {}
+    for seed in seeds:
+        run_ctx = method_run(seed) if method_run is not None else contextlib.nullcontext(None)
+        with run_ctx as mr:
+            if seed in done:
+                result, records = done[seed]
+                for logged, step in records:
+                    if mr is not None:
+                        mr.log_metrics(logged, step)
+            else:
+                result = train_grpo(params, model_dir, family, train_rows, eval_rows, seed,
+                                    out / f"seed{seed}",
+                                    log=mr.log_metrics if mr is not None else None, **kwargs)
+            if mr is not None:
+                mr.log_metrics(result["metrics"])
+        results[seed] = result
+    return results
+
+
+def train_arm(cfg: GRPOArm, ctx: Any, *, rewards: Sequence[RewardFunc | PolicyReward] = (),
+              trainer_cls: type | None = None) -> list[dict[str, float]]:
+    """The body of a plain RL-arm stage: GRPO on `<prompts>/train.parquet` for every seed, the
+    curve on `<prompts>/test.parquet`; writes `<out>/<stage>/` (seed<k>/ policies,
+    curve.parquet, budget.json) atomically, registers the first seed's policy as `register_as`
+    (alias = method). Returns each seed's final metrics, in seed order."""
     import polars as pl
 
     from stages.core.checks import read_parquet_checked
@@ -535,67 +388,34 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     eval_rows = read_parquet_checked(prompts / "test.parquet", expect(None, "test")).to_dicts()
     start = ctx.path(cfg.model)
     out = ctx.path(cfg.out) / ctx.stage
-    rows, per_seed = [], []
-    settings = GRPOParams.model_validate(
-        {k: v for k, v in cfg.model_dump().items() if k in GRPOParams.model_fields})
+    settings = cfg.model_dump(mode="json")
     with io.atomic_path(out, is_dir=True) as tmp:
-        done: dict[int, tuple[dict[str, Any], list[tuple[dict, Any]]]] = {}
-        if cfg.workers > 1 and len(cfg.seeds) > 1:
-            # Seeds in parallel processes (spawned: no forked torch/MLflow threads); a tiny
-            # model keeps one core busy per process better than two threads keep two. Each
-            # seed's curve reaches its MLflow child run afterwards, with the same steps.
-            import multiprocessing
-            import os
-            from concurrent.futures import ProcessPoolExecutor
-
-            n = min(cfg.workers, len(cfg.seeds))
-            threads = settings.num_threads or max(1, (os.cpu_count() or 1) // n)
-            jobs = [(settings, threads, start, cfg.family, train_rows, eval_rows, seed,
-                     tmp / f"seed{seed}") for seed in cfg.seeds]
-            with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn")) as pool:
-                done = dict(zip(cfg.seeds, pool.map(_train_seed, jobs)))
-        for seed in cfg.seeds:
-            tracker = ctx.tracker
-            run_ctx = (tracker.method_run("rl", method, seed, params=settings.model_dump(mode="json"))
-                       if tracker is not None else _null_run())
-            with run_ctx as mr:
-                if seed in done:
-                    result, records = done[seed]
-                    for logged, step in records:
-                        mr.log_metrics(logged, step)
-                else:
-                    result = train_grpo(settings, start, cfg.family, train_rows, eval_rows,
-                                        seed, tmp / f"seed{seed}", log=mr.log_metrics)
-                mr.log_metrics(result["metrics"])
-            per_seed.append(result["metrics"])
-            rows += [{"method": method, "seed": seed, **p} for p in result["curve"]]
+        results = train_seeds(cfg, start, cfg.family, train_rows, eval_rows, cfg.seeds, tmp,
+                              workers=cfg.workers, rewards=rewards, trainer_cls=trainer_cls,
+                              method_run=lambda seed: ctx.method_run("rl", method, seed,
+                                                                     params=settings))
+        rows = [{"method": method, "seed": seed, **p}
+                for seed in cfg.seeds for p in results[seed]["curve"]]
         io.write_parquet(tmp / "curve.parquet", pl.DataFrame(rows))
         io.write_json(tmp / "budget.json", {"method": method, "policy_loss": cfg.policy_loss,
                                             "replay_batches": cfg.replay_batches,
-                                            **settings.budget})
+                                            **cfg.budget})
+    per_seed = [results[seed]["metrics"] for seed in cfg.seeds]
     if cfg.register_as and ctx.tracker is not None:
         first = out / f"seed{cfg.seeds[0]}"
         ctx.tracker.register_model(first, cfg.register_as, aliases=[method.replace("_", "-")],
                                    tags={"paperline.method": method,
                                          "paperline.seed": str(cfg.seeds[0])})
         ctx.tracker.annotate_model(first, {"final_acc": per_seed[0]["final_acc"]})
+    return per_seed
+
+
+def arm_metrics(per_seed: list[dict[str, float]], keys: Sequence[str]) -> dict[str, float]:
+    """`<key>_mean` / `<key>_std` over seeds (population std) for each key, the rollouts of one
+    seed (equal in every seed) and the number of seeds: an RL arm's DVC metrics."""
     metrics: dict[str, float] = {}
-    for key in ("final_acc", "initial_acc", "final_len", "seconds_per_step", "lambda_final"):
-        mean, std = mean_std([m[key] for m in per_seed])
-        metrics[f"{key}_mean"], metrics[f"{key}_std"] = mean, std
+    for key in keys:
+        metrics[f"{key}_mean"], metrics[f"{key}_std"] = mean_std([m[key] for m in per_seed])
     metrics["rollouts"] = per_seed[0]["rollouts"]
-    metrics["seeds"] = float(len(cfg.seeds))
+    metrics["seeds"] = float(len(per_seed))
     return metrics
-
-
-class _NullRun:
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        pass
-
-
-class _null_run:
-    def __enter__(self) -> _NullRun:
-        return _NullRun()
-
-    def __exit__(self, *exc: Any) -> None:
-        return None

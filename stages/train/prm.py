@@ -304,8 +304,7 @@ def train_prm(params: PRMParams, base_dir: Path, train_rows: Sequence[dict[str, 
     model.eval()
     model.config.prm_separator_id = sep_id  # saved in config.json: scorers find the separator
     if out_dir is not None:
-        model.save_pretrained(out_dir, safe_serialization=True)
-        tokenizer.save_pretrained(out_dir)
+        io.save_model(model, tokenizer, out_dir)
     tail = losses[-max(1, len(losses) // 10):]
     return {"metrics": {"train_steps": float(steps), "train_rollouts": float(len(encoded)),
                         "train_loss": sum(tail) / len(tail), "train_seconds": seconds,
@@ -353,8 +352,7 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     if cfg.num_threads:
         set_threads(cfg.num_threads)
     by_id = {r["rollout_id"]: r for r in pool.to_dicts()}
-    params = PRMParams.model_validate(
-        {k: v for k, v in cfg.model_dump().items() if k in PRMParams.model_fields})
+    settings = cfg.model_dump(include=set(PRMParams.model_fields))  # the PRM's own settings
     out = ctx.path(cfg.out)
     curves, metrics = [], {}
     with io.atomic_path(out, is_dir=True) as tmp:
@@ -362,18 +360,15 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
             for seed in subsets.filter(pl.col("arm") == arm)["seed"].unique().sort().to_list():
                 ids = subsets.filter((pl.col("arm") == arm) & (pl.col("seed") == seed))
                 rows = [by_id[i] for i in ids["rollout_id"].to_list()]
-                tracker = ctx.tracker
-                run_ctx = (tracker.method_run("prm", arm, seed, params=params.model_dump())
-                           if tracker is not None else _null_run())
-                with run_ctx as mr:
-                    got = train_prm(params, ctx.path(cfg.model), rows, val_rows, seed,
+                with ctx.method_run("prm", arm, seed, params=settings) as mr:
+                    got = train_prm(cfg, ctx.path(cfg.model), rows, val_rows, seed,
                                     tmp / arm / f"seed{seed}", log=mr.log_metrics)
                     mr.log_metrics(got["metrics"])
                 curves += [{"arm": arm, "seed": seed, **p} for p in got["curve"]]
                 for key in ("train_steps", "val_f1", "train_seconds"):
                     metrics[f"{arm}/seed{seed}/{key}"] = got["metrics"][key]
         io.write_parquet(tmp / "curves.parquet", pl.DataFrame(curves))
-        io.write_json(tmp / "budget.json", params.model_dump())
+        io.write_json(tmp / "budget.json", settings)
     if cfg.register_as and ctx.tracker is not None:
         for arm in cfg.register_arms:
             seed = subsets.filter(pl.col("arm") == arm)["seed"].min()
@@ -383,16 +378,3 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
                                              "paperline.seed": str(seed)},
                                        artifact_path=f"model-{arm}")
     return metrics
-
-
-class _NullRun:
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        pass
-
-
-class _null_run:
-    def __enter__(self) -> _NullRun:
-        return _NullRun()
-
-    def __exit__(self, *exc: Any) -> None:
-        return None

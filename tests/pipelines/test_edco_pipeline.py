@@ -83,6 +83,12 @@ def test_compare_metrics_readme_and_registry(edco_repo: Path):
     block = readme.split("<!-- results:start")[1].split("<!-- results:end")[0]
     assert "| sft_edco_mean |" in block and "| rl_random |" in block
     assert f"{m['sft/sft_edco/acc_mean']:.3f}" in block  # the table is the metrics, rendered
+    for prefix in ("sft/acc/sft_edco_vs_sft_random", "sft/acc/sft_edco_vs_sft_ppl",
+                   "sft/acc/sft_ppl_vs_sft_random", "rl/acc/rl_edco_vs_rl_random"):
+        assert m[f"claim/{prefix}/verdict"] in (-1.0, 0.0, 1.0)
+        assert m[f"claim/{prefix}/pairs"] == 2.0
+    assert m["claim/rl/acc/rl_edco_vs_rl_random/paper_effect"] == 0.065
+    assert "| RL: rl_edco above rl_random | **" in block
 
     proc = paperline(edco_repo, "compare", "edco")
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -85,6 +85,15 @@ def test_compare_metrics_and_readme_block(hsir_repo: Path):
     assert all(f"| {arm} |" in block for arm in SELF_ARMS + RL_ARMS)
     assert f"{m['self/star/acc_mean']:.3f}" in block  # the table is the metrics, rendered
     assert f"{m['indiv/eigenscore/spearman_repeats']:+.3f}" in block
+    # every claim: a verdict (pairs: the seeds, or the traces for InDiv), rendered
+    for prefix in ("self/acc/hsir_vs_star", "self/hard_acc/hsir_vs_star",
+                   "self/tokens_per_solved/hsir_vs_star", "self/pool_hard_share/veriexit_vs_star",
+                   "rl/acc/h_grpo_vs_grpo", "rl/tokens_per_solved/h_grpo_vs_grpo",
+                   "indiv/eigenscore/spearman", "indiv/spectral_entropy/spearman"):
+        assert m[f"claim/{prefix}/verdict"] in (-1.0, 0.0, 1.0)
+    assert m["claim/self/acc/hsir_vs_star/pairs"] == 2.0
+    assert "| hsir vs star: held-out accuracy, change relative to star (paper: higher) | **" \
+        in block
 
 
 def test_mlflow_registers_every_arm_as_hsir_policy(hsir_repo: Path):

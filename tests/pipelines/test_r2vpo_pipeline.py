@@ -64,6 +64,14 @@ def test_compare_metrics_readme_and_control(r2vpo_repo: Path):
     block = readme.split("<!-- results:start")[1].split("<!-- results:end")[0]
     assert "| r2vpo_fixed_lambda |" in block and "Not run yet" not in block
     assert f"{m['grpo/final_acc_mean']:.3f}" in block  # the table is the metrics, rendered
+    # every claim: a verdict over the 2 smoke seeds, rendered with its sentence
+    for prefix in ("final_acc/r2vpo_vs_grpo", "rollouts_to_reach/r2vpo_vs_grpo",
+                   "control/Pendulum-v1/r2vpo_vs_ppo", "control/sparse_Pendulum-v1/r2vpo_vs_ppo",
+                   "control_sparse_gap/sparse_Pendulum-v1/r2vpo_vs_ppo"):
+        assert m[f"claim/{prefix}/verdict"] in (-1.0, 0.0, 1.0)
+        assert m[f"claim/{prefix}/pairs"] == 2.0
+    assert m["claim/final_acc/r2vpo_vs_grpo/paper_effect"] == 0.17
+    assert "| r2vpo vs grpo: final accuracy, change relative to grpo (paper: higher) | **" in block
 
 
 def test_mlflow_shows_arms_side_by_side_and_registers_each_arm(r2vpo_repo: Path):

@@ -1,4 +1,5 @@
-"""The continuous-control arm: PPO-clip vs R²VPO on SB3, the sparse-reward wrapper, the stage."""
+"""The continuous-control arm: PPO-clip vs R²VPO on SB3 (stages.r2vpo.ppo), the sparse-reward
+wrapper, the stage (stages.r2vpo.control)."""
 
 from __future__ import annotations
 
@@ -11,15 +12,8 @@ from stable_baselines3 import PPO
 
 from stages.core.context import Context
 from stages.r2vpo import control
-from stages.r2vpo.control import (
-    R2VPO,
-    Config,
-    PPOWithStats,
-    SparseReward,
-    make_env,
-    steps_to_reach,
-    summarize,
-)
+from stages.r2vpo.control import Config, SparseReward, make_env, steps_to_reach, summarize
+from stages.r2vpo.ppo import R2VPO, PPOWithStats
 
 torch.set_num_threads(1)
 

@@ -1,6 +1,7 @@
 """EDCO on hand-computed cases: top-20 entropy in bits, top-20% aggregation, selection and its
-edge cases, the static orders, the noisy pool, budgets, the README table; then the estimator and
-one curriculum round on a tiny real model (the round really changes the weights)."""
+edge cases, the static orders, the noisy pool, budgets; then the estimator and one curriculum
+round on a tiny real model (the round really changes the weights). The comparison:
+tests/unit/test_edco_compare.py."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from stages.edco import compare as ec
 from stages.models import base
 from stages.models.tokenizer import build_tokenizer
 from stages.edco import edco
@@ -107,15 +107,6 @@ def test_static_orders_and_schedule():
     assert edco.budget_n(7000, 8, 2) == 1750                           # the code's Qwen3-4B SFT
 
 
-def test_spearman():
-    assert edco.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
-    assert edco.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
-    assert edco.spearman([1, 2, 3, 4, 5], [10, 20, 30, 50, 40]) == pytest.approx(0.9)
-    assert math.isnan(edco.spearman([1, 2, 3], [5, 5, 5]))
-    with pytest.raises(ValueError):
-        edco.spearman([1, 2], [1])
-
-
 # --- the noisy pool ---------------------------------------------------------------------------
 
 def test_noisy_rows_have_a_wrong_but_self_consistent_target():
@@ -165,50 +156,6 @@ def test_configs_refuse_bad_budgets_and_unknown_keys():
     a = edco_sft.Config(strategy="edco", top_n=64, batch_size=16)
     b = edco_sft.Config(strategy="random", top_n=64, batch_size=16)
     assert a.budget == b.budget and a.steps_per_round == 4
-
-
-def test_compare_refuses_unequal_budgets_naming_arm_and_key():
-    same = {"rounds": 4, "top_n": 448, "batch_size": 32, "steps_per_round": 14}
-    ec.check_budgets({"sft_edco": same, "sft_random": dict(same)}, ec.SFT_BUDGET_KEYS)
-    with pytest.raises(ValueError, match="'sft_random' ran with top_n = 224"):
-        ec.check_budgets({"sft_edco": same, "sft_random": {**same, "top_n": 224}},
-                         ec.SFT_BUDGET_KEYS)
-
-
-def _curve(accs: dict[int, list[float]], noisy: float) -> pl.DataFrame:
-    rows = []
-    for seed, per_round in accs.items():
-        for r, acc in enumerate(per_round):
-            rows.append({"seed": seed, "round": float(r), "acc": acc, "acc_mul": acc / 2,
-                         "acc_plus_minus": acc, "noisy_frac": None if r == 0 else noisy,
-                         "mul_share": None if r == 0 else 0.5,
-                         "new_items": None if r == 0 else 4.0,
-                         "unique_items": None if r == 0 else 4.0 * r})
-    return pl.DataFrame(rows)
-
-
-def test_summary_and_results_table_are_the_metrics_rendered():
-    frames = {"sft_edco": _curve({0: [0.3, 0.5, 0.6], 1: [0.3, 0.5, 0.8]}, 0.10),
-              "sft_random": _curve({0: [0.3, 0.4, 0.5], 1: [0.3, 0.4, 0.5]}, 0.05)}
-    m = ec.summarize_arms(frames, "sft_random", "sft")
-    assert m["sft/sft_edco/acc_mean"] == pytest.approx(0.7)
-    assert m["sft/sft_edco/acc_std"] == pytest.approx(0.1)
-    assert m["sft/sft_edco/delta_vs_sft_random"] == pytest.approx(0.2)
-    assert m["sft/sft_edco/auc_mean"] == pytest.approx((0.55 + 0.65) / 2)   # rounds 1..R
-    assert m["sft/sft_edco/r1/acc_mean"] == pytest.approx(0.5)
-    assert m["sft/sft_edco/noisy_frac"] == pytest.approx(0.10)
-    assert m["sft/initial_acc"] == pytest.approx(0.3)
-    metrics = {**m, "sft/rounds": 2.0, "sft/top_n": 4.0, "pool/noisy_frac": 0.05,
-               "estimator/L4/spearman": 0.812, "estimator/L4/time_reduction": 0.6,
-               "estimator/L4/seconds_per_item": 0.001, "estimator/full_mean_tokens": 20.0,
-               "estimator/full_seconds_per_item": 0.0025}
-    table = ec.results_table({"compare": dict(sorted(metrics.items()))})
-    edco_row = next(line for line in table.splitlines() if line.startswith("| sft_edco |"))
-    assert "| 0.700 ± 0.100 | +20.0 |" in edco_row and "| 10.0% |" in edco_row
-    assert "| sft_edco | 0.500 / 10.0% / 4 | 0.700 / 10.0% / 4 |" in table
-    assert "| 4 | +0.812 |" in table and "| 60.0% |" in table
-    assert table.index("| sft_edco |") < table.index("| sft_random |")  # compare's order
-    assert ec.results_table({}) == "_No results yet: run the pipeline._\n"
 
 
 # --- a tiny real model: estimator and one curriculum round ---------------------------------------

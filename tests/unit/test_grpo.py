@@ -1,9 +1,9 @@
-"""The shared GRPO trainer on a tiny model: verifier rewards, the policy-loss plug-in, replay."""
+"""The GRPO engine on a tiny model: verifier rewards, the `policy_loss` hook, extra rewards and
+evaluations, replay, seeds in worker processes."""
 
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import torch
@@ -12,7 +12,8 @@ from stages.models import base
 from stages.models.tokenizer import build_tokenizer
 from stages.tasks import arith
 from stages.train import grpo
-from stages.train.grpo import GRPOParams, concat_rollouts, train_grpo, verifier_reward
+from stages.train.grpo import GRPOParams, train_grpo, verifier_reward
+from stages.train.grpo_trainer import GRPOTrainer, concat_rollouts
 
 
 def _rows(n: int, seed: int) -> list[dict]:
@@ -77,7 +78,8 @@ def test_concat_rollouts_pads_prompts_left_and_tokens_right():
     assert int(out["num_items_in_batch"]) == 3
 
 
-def _trainer(policy, params: GRPOParams):
+def _trainer(policy, params, cls: type = GRPOTrainer):
+    """A trainer of class `cls` on the tiny policy, outside `train_grpo` (for one-batch tests)."""
     from datasets import Dataset
     from trl import GRPOConfig
 
@@ -92,9 +94,9 @@ def _trainer(policy, params: GRPOParams):
                       epsilon=params.clip_epsilon, report_to="none", use_cpu=True, bf16=False,
                       gradient_checkpointing=False, save_strategy="no", disable_tqdm=True)
     ds = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
-    trainer = grpo._trainer_class()(model=model, processing_class=tokenizer,
-                                    reward_funcs=[verifier_reward("arith")], args=args,
-                                    train_dataset=ds, params=params)
+    extra = {"params": params} if issubclass(cls, GRPOTrainer) else {}
+    trainer = cls(model=model, processing_class=tokenizer,
+                  reward_funcs=[verifier_reward("arith")], args=args, train_dataset=ds, **extra)
     trainer.current_gradient_accumulation_steps = 1  # set by the training loop otherwise
     return trainer
 
@@ -121,50 +123,30 @@ def _inputs(trainer, shift: float):
             "num_items_in_batch": mask.sum()}
 
 
-def test_r2vpo_with_zero_multiplier_and_ratios_inside_the_clip_equals_trl_grpo_loss(policy):
-    """With lambda = 0 and every ratio inside [1-eps, 1+eps] the clip never binds, so R²VPO's
-    loss and gradient are TRL's (bnpo) GRPO surrogate exactly."""
-    clip = _trainer(policy, GRPOParams(policy_loss="clip", clip_epsilon=0.2))
-    r2 = _trainer(policy, GRPOParams(policy_loss="r2vpo", clip_epsilon=0.2,
-                                     r2vpo={"lambda_init": 0.0, "dual_rule": "fixed"}))
-    inputs = _inputs(clip, shift=0.1)  # |log r| <= 0.05: r in [0.95, 1.05]
+def test_the_baseline_policy_loss_is_trls_own_loss(policy):
+    """The engine's `policy_loss` is TRL's clipped GRPO loss, value and gradient, unchanged; the
+    clip binds here (ratios up to e^0.5), and the diagnostics see it."""
+    import trl
+
+    params = GRPOParams(clip_epsilon=0.2)
+    ours, stock = _trainer(policy, params), _trainer(policy, params, trl.GRPOTrainer)
+    inputs = _inputs(ours, shift=1.0)
     losses, grads = [], []
-    for t in (clip, r2):
+    for t, loss_fn in ((ours, ours.policy_loss), (stock, stock._compute_loss)):
         t.model.zero_grad()
-        loss = t._compute_loss(t.model, inputs)
+        loss = loss_fn(t.model, inputs)
         loss.backward()
-        losses.append(loss.item())
+        losses.append(loss.detach())
         grads.append(torch.cat([p.grad.flatten() for p in t.model.parameters()
                                 if p.grad is not None]))
-    assert losses[0] == pytest.approx(losses[1], rel=1e-5, abs=1e-7)
-    assert torch.allclose(grads[0], grads[1], rtol=1e-4, atol=1e-7)
-    # ... and the clip diagnostics were logged for both, with nothing clipped.
-    assert clip._metrics["train"]["ratio/clip_fraction"][-1] == 0.0
-    assert r2._metrics["train"]["ratio/clip_fraction"][-1] == 0.0
+    assert torch.equal(losses[0], losses[1]) and torch.equal(grads[0], grads[1])
+    assert ours._metrics["train"]["ratio/clip_fraction"][-1] > 0.0
 
 
-def test_r2vpo_penalty_and_dual_step_on_stale_ratios(policy):
-    """Far-from-1 ratios: the variance term adds lambda * (V - eps) and lambda rises."""
-    params = GRPOParams(policy_loss="r2vpo", r2vpo={"lambda_init": 0.5, "lambda_lr": 1.0,
-                                                    "v_ema": 0.0, "epsilon": 0.01})
-    t = _trainer(policy, params)
-    inputs = _inputs(t, shift=2.0)
-    loss = t._compute_loss(t.model, inputs).item()
-    v = t._metrics["train"]["r2vpo/v_hat"][-1]
-    assert v > 0.01
-    assert t.dual.lam == pytest.approx(0.5 + 1.0 * (v - 0.01))  # additive dual ascent
-    free = _trainer(policy, GRPOParams(policy_loss="r2vpo", r2vpo={"lambda_init": 0.0,
-                                                                     "dual_rule": "fixed"}))
-    loss0 = free._compute_loss(free.model, inputs).item()
-    assert loss == pytest.approx(loss0 + 0.5 * (v - 0.01), rel=1e-4)
-
-
-@pytest.mark.parametrize("policy_loss, replay", [("clip", 0), ("r2vpo", 1)])
-def test_train_grpo_changes_the_policy_and_counts_rollouts(policy, tmp_path, policy_loss, replay):
-    params = GRPOParams(policy_loss=policy_loss, replay_batches=replay, rounds=3,
-                        prompts_per_round=2, num_generations=4, minibatches=1, num_iterations=2,
-                        max_completion_length=16, lr=1e-3, eval_every=2, eval_rows=8,
-                        num_threads=1)
+def test_train_grpo_changes_the_policy_and_counts_rollouts(policy, tmp_path):
+    params = GRPOParams(rounds=3, prompts_per_round=2, num_generations=4, minibatches=1,
+                        num_iterations=2, max_completion_length=16, lr=1e-3, eval_every=2,
+                        eval_rows=8, num_threads=1)
     logged: list[dict] = []
     out = tmp_path / "policy"
     result = train_grpo(params, policy, "arith", _rows(32, 3), _rows(8, 4), seed=0,
@@ -174,14 +156,83 @@ def test_train_grpo_changes_the_policy_and_counts_rollouts(policy, tmp_path, pol
     assert result["metrics"]["rollouts"] == 3 * 2 * 4 == result["curve"][-1]["rollouts"]
     assert [p["round"] for p in result["curve"]] == [0.0, 2.0, 3.0]
     assert result["metrics"]["steps"] == 3 * 1 * 2
+    assert result["metrics"]["final_acc"] == result["curve"][-1]["eval_acc"]
     state = json.loads((out / "policy_state.json").read_text())
-    assert state["policy_loss"] == policy_loss
+    assert state == {"policy_loss": "clip", "rollouts": 24, "tokens_generated":
+                     result["metrics"]["tokens_generated"], "steps": 6}
     keys = set().union(*logged)
     assert {"train/reward", "train/ratio/var", "train/ratio/clip_fraction",
             "train/rollouts", "train/tokens_generated", "eval_acc"} <= keys
-    if policy_loss == "r2vpo":
-        assert state["dual"]["lam"] != 0.1  # the multiplier moved
-        assert "train/r2vpo/lambda" in keys and "train/replay_rows" in keys
+
+
+class ZeroLossTrainer(GRPOTrainer):
+    """TRL's clipped loss times 0: no gradient. If the trainer calls this hook for its loss,
+    training leaves every weight where it was (Adam moves nothing on zero gradients)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls = 0
+
+    def policy_loss(self, model, inputs):
+        self.calls += 1
+        return 0.0 * super().policy_loss(model, inputs)
+
+    def policy_state(self):
+        return {"calls": self.calls}
+
+    def policy_metrics(self):
+        return {"policy_loss_calls": float(self.calls)}
+
+
+def test_a_subclass_overriding_policy_loss_is_what_the_trainer_calls(policy, tmp_path):
+    params = GRPOParams(rounds=2, prompts_per_round=2, num_generations=4, minibatches=1,
+                        num_iterations=2, max_completion_length=16, lr=1e-2, eval_every=None,
+                        eval_rows=4, num_threads=1)
+    out = tmp_path / "policy"
+    result = train_grpo(params, policy, "arith", _rows(32, 3), _rows(4, 4), seed=0,
+                        out_dir=out, trainer_cls=ZeroLossTrainer)
+    before, after = _weights(policy), _weights(out)
+    assert all(torch.equal(before[k], after[k]) for k in before)  # its loss, not TRL's, trained
+    assert result["metrics"]["policy_loss_calls"] == 2 * 2 == result["metrics"]["steps"]
+    assert json.loads((out / "policy_state.json").read_text())["calls"] == 4
+    assert [p["round"] for p in result["curve"]] == [0.0, 2.0]   # eval_every None: ends only
+
+
+class ShortReward:
+    """A `PolicyReward`: bound to the run's policy once it is loaded; rewards short answers."""
+
+    def __init__(self):
+        self.bound = []
+
+    def bind(self, model, tokenizer):
+        self.bound.append(model)
+
+        def short(prompts, completions, **_):
+            return [-len(c) / 100 for c in completions]
+
+        return short
+
+
+def test_extra_rewards_and_the_evaluation_hook(policy, tmp_path):
+    params = GRPOParams(rounds=1, prompts_per_round=2, num_generations=4, minibatches=1,
+                        num_iterations=1, max_completion_length=16, lr=1e-3, eval_rows=3,
+                        num_threads=1)
+    reward = ShortReward()
+    assert isinstance(reward, grpo.PolicyReward)
+
+    def evaluate(model, tokenizer, rows):
+        return {"rows": float(len(rows)), "training": float(model.training)}
+
+    logged: list[dict] = []
+    result = train_grpo(params, policy, "arith", _rows(16, 3), _rows(8, 4), seed=0,
+                        out_dir=tmp_path / "p", log=lambda m, step: logged.append(m),
+                        rewards=[reward], evaluate=evaluate)
+    assert len(reward.bound) == 1 and isinstance(reward.bound[0], torch.nn.Module)
+    assert [p["eval_rows"] for p in result["curve"]] == [3.0, 3.0]        # eval_rows cut
+    assert [p["eval_training"] for p in result["curve"]] == [0.0, 0.0]    # in eval mode
+    assert result["metrics"]["initial_rows"] == result["metrics"]["final_rows"] == 3.0
+    keys = set().union(*logged)
+    assert {"train/rewards/correct/mean", "train/rewards/short/mean"} <= keys
 
 
 def test_seeds_in_worker_processes_give_the_same_arm(policy, tmp_path):
@@ -203,12 +254,16 @@ def test_seeds_in_worker_processes_give_the_same_arm(policy, tmp_path):
                       profile="smoke", seed=0, tracker=None,
                       paths={"metrics": root / "metrics", "rl_prompts": prompts,
                              "base_model": policy, "runs": root / "runs"})
-        cfg = grpo.Config(rounds=2, prompts_per_round=2, num_generations=4, minibatches=1,
-                          num_iterations=1, max_completion_length=16, lr=1e-3, eval_every=1,
-                          eval_rows=8, num_threads=1, seeds=[0, 1], workers=workers)
-        metrics = grpo.run(cfg, ctx)
+        cfg = grpo.GRPOArm(rounds=2, prompts_per_round=2, num_generations=4, minibatches=1,
+                           num_iterations=1, max_completion_length=16, lr=1e-3, eval_every=1,
+                           eval_rows=8, num_threads=1, seeds=[0, 1], workers=workers)
+        per_seed = grpo.train_arm(cfg, ctx)
+        metrics = grpo.arm_metrics(per_seed, ("final_acc", "initial_acc"))
         curves[workers] = pl.read_parquet(root / "runs/arm/curve.parquet").sort(["seed", "step"])
-        assert metrics["seeds"] == 2.0
+        assert metrics["seeds"] == 2.0 and metrics["rollouts"] == 2 * 2 * 4
+        budget = json.loads((root / "runs/arm/budget.json").read_text())
+        assert budget == {"method": "arm", "policy_loss": "clip", "replay_batches": 0,
+                          **cfg.budget}
     assert curves[1].drop("seconds", strict=False).equals(curves[2].drop("seconds", strict=False))
     for seed in (0, 1):
         a = _weights(tmp_path / "w1/runs/arm" / f"seed{seed}")
@@ -216,19 +271,6 @@ def test_seeds_in_worker_processes_give_the_same_arm(policy, tmp_path):
         assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_length_bonus_by_hand():
-    """-w * z_G(length) on correct responses only; wrong ones get no bonus."""
-    bonus = grpo.bonus_reward("length", 0.2, 2, "arith", model=None, tokenizer=None)
-    out = bonus(prompts=["p"] * 4, completions=[" #### 3", " 1+2=3 #### 3", " #### 3", " #### 4"],
-                answer=[3, 3, 3, 3])
-    assert out == pytest.approx([0.2, -0.2, 0.0, 0.0])  # group 2: one correct -> z over both
-
-
-def test_indiv_bonus_runs_on_the_policy(policy):
-    from stages.models.generate import load_model
-
-    model, tokenizer = load_model(policy)
-    bonus = grpo.bonus_reward("indiv", 0.2, 2, "arith", model, tokenizer)
-    comps = [" 1+2=3 #### 3", " 1+2=3; check 1+2=3; check 1+2=3 #### 3"]
-    out = bonus(prompts=["Q: 1+2=? A:"] * 2, completions=comps, answer=[3, 3])
-    assert len(out) == 2 and out[0] == pytest.approx(-out[1]) and abs(out[0]) == pytest.approx(0.2)
+def test_arm_config_refuses_repeated_seeds():
+    with pytest.raises(ValueError, match="repeat"):
+        grpo.GRPOArm(seeds=[0, 0])

@@ -303,3 +303,30 @@ def test_hgrpo_rewards_by_hand():
         hsir.hgrpo_rewards([True, True, True], [0.0, 0.0, 0.0], 2)
     with pytest.raises(ValueError):
         hsir.hgrpo_rewards([True], [0.0, 1.0], 1)
+
+
+def test_length_bonus_by_hand():
+    """-w * z_G(length) on correct responses only; wrong ones get no bonus."""
+    from stages.hsir.rl import GroupBonus
+
+    bonus = GroupBonus("length", 0.2, 2, "arith").bind(model=None, tokenizer=None)
+    out = bonus(prompts=["p"] * 4, completions=[" #### 3", " 1+2=3 #### 3", " #### 3", " #### 4"],
+                answer=[3, 3, 3, 3])
+    assert out == pytest.approx([0.2, -0.2, 0.0, 0.0])  # group 2: one correct -> z over both
+    assert bonus.__name__ == "length_bonus"             # TRL logs rewards/length_bonus/mean
+
+
+def test_indiv_bonus_reads_the_policy_it_is_bound_to(tiny_model):
+    from stages.hsir.rl import GroupBonus
+    from stages.train.grpo import PolicyReward
+
+    model, tokenizer = tiny_model
+    reward = GroupBonus("indiv", 0.2, 2, "arith")
+    assert isinstance(reward, PolicyReward)
+    bonus = reward.bind(model, tokenizer)
+    comps = [" 1+2=3 #### 3", " 1+2=3; check 1+2=3; check 1+2=3 #### 3"]
+    model.train()
+    out = bonus(prompts=["Q: 1+2=? A:"] * 2, completions=comps, answer=[3, 3])
+    assert model.training                                # its mode is restored
+    model.eval()
+    assert len(out) == 2 and out[0] == pytest.approx(-out[1]) and abs(out[0]) == pytest.approx(0.2)

@@ -1,4 +1,5 @@
-"""The pure R²VPO functions of stages/r2vpo/r2vpo.py on hand-computed values (spec §2)."""
+"""The pure R²VPO functions of stages/r2vpo/r2vpo.py (and the engine's ratio helpers of
+stages/train/ratio.py) on hand-computed values (spec §2)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,13 @@ import pytest
 import torch
 
 from stages.r2vpo.r2vpo import (
-    LOG_RATIO_CLAMP,
     DualState,
-    clip_fraction,
+    R2VPOParams,
     clipped_surrogate_loss,
-    policy_ratio,
     r2vpo_loss,
     ratio_variance,
 )
+from stages.train.ratio import LOG_RATIO_CLAMP, clip_fraction, policy_ratio
 
 R = [0.9, 1.0, 1.3]
 A = [1.0, -1.0, 2.0]
@@ -149,3 +149,12 @@ def test_policy_ratio_clamp_flag():
     assert ratio.tolist() == pytest.approx([1.0, math.exp(LOG_RATIO_CLAMP),
                                             math.exp(-LOG_RATIO_CLAMP), math.exp(5.0),
                                             math.exp(20.0)])
+
+
+def test_dual_state_from_params_starts_at_lambda_0_with_their_rule():
+    p = R2VPOParams(lambda_init=0.5, lambda_lr=2.0, epsilon=0.02, dual_rule="fixed", v_ema=0.0)
+    d = DualState.from_params(p)
+    assert (d.lam, d.lr, d.epsilon, d.rule, d.ema, d.v_ema) == (0.5, 2.0, 0.02, "fixed", 0.0, None)
+    assert d.update(1.0) == 0.5 and d.v_ema == 1.0   # fixed: lambda stays, V is still smoothed
+    with pytest.raises(ValueError, match="dual_rule"):
+        R2VPOParams(dual_rule="clip")

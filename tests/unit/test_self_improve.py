@@ -1,5 +1,5 @@
-"""HSIR's self-training loop and its comparison on hand cases: pool rules per arm, tau
-calibration, pool statistics, Spearman, budget refusal, the README table, one real round."""
+"""HSIR's self-training loop on hand cases: pool rules per arm, tau calibration, pool
+statistics, one real round (the comparison: tests/unit/test_hsir_compare.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from stages.hsir import compare as hc
 from stages.models import base
 from stages.models.tokenizer import build_tokenizer
 from stages.tasks import arith
@@ -117,77 +116,21 @@ def test_config_rules_and_budget():
     assert a.budget == b.budget and a.budget["sft_steps_per_round"] == 40
 
 
-def test_mean_std_ignores_nan():
-    assert si.mean_std([1.0, 3.0, float("nan")]) == (2.0, 1.0)
-    assert all(math.isnan(v) for v in si.mean_std([float("nan")]))
-
-
-# --- compare -------------------------------------------------------------------------------------
-
-def test_spearman_by_hand():
-    assert hc.ranks([10.0, 30.0, 20.0, 20.0]) == [1.0, 4.0, 2.5, 2.5]
-    assert hc.spearman([1, 2, 3, 4], [8, 6, 4, 2]) == pytest.approx(-1.0)
-    # ranks x = 1..5, y = [1, 2, 3, 5, 4]: d^2 sums to 2, rho = 1 - 6*2 / (5*24) = 0.9
-    assert hc.spearman([1, 2, 3, 4, 5], [10, 20, 30, 50, 40]) == pytest.approx(0.9)
-    # with ties: y ranks [1.5, 1.5, 3, 4] -> Pearson of ranks = 0.9486833
-    assert hc.spearman([1, 2, 3, 4], [0, 0, 1, 2]) == pytest.approx(3 / math.sqrt(10))
-    assert math.isnan(hc.spearman([1, 2, 3], [5, 5, 5]))
-    assert hc.spearman([1, 2, float("nan"), 3], [3, 2, 0, 1]) == pytest.approx(-1.0)
-    with pytest.raises(ValueError):
-        hc.spearman([1, 2], [1])
-
-
-def test_unequal_budgets_are_refused_with_arm_and_key():
-    same = {"rounds": 2, "samples_per_query": 4, "sft_steps_per_round": 16}
-    hc.check_budgets({"star": same, "hsir": dict(same)}, ["rounds", "sft_steps_per_round"])
-    with pytest.raises(ValueError, match="'hsir' ran with sft_steps_per_round = 32"):
-        hc.check_budgets({"star": same, "hsir": {**same, "sft_steps_per_round": 32}},
-                         hc.SELF_BUDGET_KEYS)
-
-
-def test_summarize_arms_and_relative_changes():
-    finals = {"star": {"acc": [0.4, 0.6], "hard_acc": [0.1, 0.1], "tokens_per_solved": [50, 50]},
-              "hsir": {"acc": [0.55, 0.55], "hard_acc": [0.2, 0.2],
-                       "tokens_per_solved": [30, 30]}}
-    m = hc.summarize_arms(finals, "star", "self")
-    assert m["self/star/acc_mean"] == 0.5 and m["self/star/acc_std"] == pytest.approx(0.1)
-    assert m["self/hsir/acc_vs_star"] == pytest.approx(0.1)
-    assert m["self/hsir/hard_acc_vs_star"] == pytest.approx(1.0)
-    assert m["self/hsir/tokens_per_solved_vs_star"] == pytest.approx(-0.4)
-    assert m["self/star/acc_vs_star"] == 0.0 and m["self/hsir/order"] == 1.0
-    assert math.isnan(hc.relative(0.3, 0.0))
-
-
-def test_results_table_is_the_metrics_rendered():
-    finals = {"star": {"acc": [0.5], "hard_acc": [0.1], "tokens_per_solved": [50.0]},
-              "hsir": {"acc": [0.6], "hard_acc": [0.2], "tokens_per_solved": [40.0]}}
-    m = {**hc.summarize_arms(finals, "star", "self"),
-         **hc.summarize_arms({"grpo": finals["star"]}, "grpo", "rl"),
-         "self/hsir/pool_hard_share": 0.25, "self/hsir/faithful_rate": 0.5,
-         "self/hsir/pool_hard_coverage": 0.125,
-         "indiv/eigenscore/spearman_repeats": -0.8}
-    table = hc.results_table({"compare": dict(sorted(m.items()))})
-    lines = table.splitlines()
-    star_row = next(i for i, line in enumerate(lines) if line.startswith("| star |"))
-    hsir_row = next(i for i, line in enumerate(lines) if line.startswith("| hsir |"))
-    assert star_row < hsir_row                     # compare's order, not alphabetical
-    assert "| 0.600 ± 0.000 | +20.0% |" in lines[hsir_row] and "| -20.0% |" in lines[hsir_row]
-    assert "| 25.0% | 12.5% |" in lines[hsir_row] and "| 50% |" in lines[hsir_row]
-    assert "| grpo |" in table and "| eigenscore | -0.800 | n/a |" in table
-    assert hc.results_table({}) == "_No results yet: run the pipeline._\n"
-
-
-def test_pool_summary_weights_faithfulness_by_rows():
-    frame = pl.DataFrame({"round": [0.0, 1.0, 2.0], "pool_hard_share": [None, 0.2, 0.4],
-                          "pool_size": [None, 10.0, 20.0], "pool_mean_repeats": [None, 1.0, 0.0],
-                          "pool_veriexit_rows": [None, 1.0, 3.0],
-                          "pool_veriexit_faithful": [None, 1.0, 1.0],
-                          "pool_hard_coverage": [None, 0.1, 0.3],
-                          "mean_repeats": [0.5, 0.5, 0.5]})  # greedy outputs', not the pool's
-    s = hc.pool_summary(frame)
-    assert s["pool_hard_share"] == pytest.approx(0.3) and s["faithful_rate"] == 0.5
-    assert s["veriexit_rows"] == 2.0 and s["pool_size"] == 15.0
-    assert s["pool_hard_coverage"] == pytest.approx(0.2)
+def test_summarize_curve_averages_seeds_over_finite_values():
+    """Final-round mean/std over seeds; a seed that solved nothing (tokens_per_solved NaN) and
+    an arm without InDiv (tau NaN) are left out, not propagated."""
+    keys = ("acc", "hard_acc", "tokens_per_solved", "hard_tokens_per_solved", "mean_tokens",
+            "verbose_share", "pool_size", "pool_hard_share", "pool_hard_coverage",
+            "pool_veriexit_rows", "pool_veriexit_faithful", "pool_mean_repeats",
+            "pool_verbose_share", "sample_acc", "tau")
+    nan = float("nan")
+    rows = [{"seed": s, "round": r, **{k: 0.5 for k in keys}} for s in (0, 1) for r in (0.0, 1.0)]
+    rows[1].update(acc=1.0, tokens_per_solved=10.0, tau=nan)
+    rows[3].update(acc=0.0, tokens_per_solved=nan, tau=nan)
+    m = si.summarize_curve(pl.DataFrame(rows), rounds=1, train_queries=4)
+    assert (m["acc_mean"], m["acc_std"]) == (0.5, 0.5)
+    assert (m["tokens_per_solved_mean"], m["tokens_per_solved_std"]) == (10.0, 0.0)
+    assert math.isnan(m["tau"]) and m["seeds"] == 2.0 and m["initial_acc"] == 0.5
 
 
 # --- one real round on a tiny model ---------------------------------------------------------

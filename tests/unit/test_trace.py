@@ -9,11 +9,13 @@ import polars as pl
 import pytest
 from pydantic import ValidationError
 
+from stages.core import stats
+from stages.core.stats import pearson, ranks, spearman
 from stages.tasks import arith, toulmin
 from stages.trace import trace
-from stages.trace.compare import claims
-from stages.trace.correlate import (best_of_n, bootstrap_diff_ci, pearson, ranks,
-                                          spearman)
+from stages.trace.compare import Config as CompareConfig
+from stages.trace.compare import claims, correlation_claims, results_table
+from stages.trace.correlate import best_of_n, bootstrap, bootstrap_diff_ci
 
 T = trace.Tables()  # the spec's default tables, alpha = 0.7
 
@@ -146,26 +148,83 @@ def test_paired_bootstrap_of_the_r_difference():
     # x tracks y exactly, z is y with two points swapped: on every draw r(x) >= r(z), and the
     # draws that keep both swapped points make it strictly higher, so the CI is >= 0 throughout
     x, z = y, [0.1, 0.2, 0.4, 0.3, 0.5, 0.6]
-    low, high = bootstrap_diff_ci(x, z, y, 500, seed=0)
-    assert 0 <= low <= high and high > 0
+    low, high, sd = bootstrap_diff_ci(x, z, y, 500, seed=0)
+    assert 0 <= low <= high and high > 0 and sd > 0
     # a score against itself: every draw's difference is exactly 0
-    assert bootstrap_diff_ci(x, x, y, 100) == (0.0, 0.0)
+    assert bootstrap_diff_ci(x, x, y, 100) == (0.0, 0.0, 0.0)
     # the difference is antisymmetric: the CI of z against x is the mirror image
-    low2, high2 = bootstrap_diff_ci(z, x, y, 500, seed=0)
-    assert (low2, high2) == pytest.approx((-high, -low))
+    low2, high2, sd2 = bootstrap_diff_ci(z, x, y, 500, seed=0)
+    assert (low2, high2, sd2) == pytest.approx((-high, -low, sd))
 
 
-def test_trace_claim_needs_the_paired_ci_above_zero_for_each_baseline():
-    cor = {"pearson/trace": 0.9, "ci_low/trace": 0.6, "pearson/neg_ppl": 0.8,
-           "pearson/length": 0.1, "diff_ci_low/neg_ppl": -0.05, "diff_ci_low/length": 0.3}
-    c = claims({"correlate": cor}, [])
-    # higher point estimate than both baselines, but the perplexity difference CI crosses 0
-    assert c["claim_trace_beats_length"] == 1.0 and c["claim_trace_beats_neg_ppl"] == 0.0
-    assert c["claim_trace_beats_baselines"] == 0.0
-    c = claims({"correlate": cor | {"diff_ci_low/neg_ppl": 0.01}}, [])
-    assert c["claim_trace_beats_baselines"] == 1.0
-    # r's own CI touching 0 fails the claim; no bootstrap (no CI) cannot pass it
-    assert claims({"correlate": cor | {"diff_ci_low/neg_ppl": 0.01, "ci_low/trace": 0.0}},
-                  [])["claim_trace_beats_baselines"] == 0.0
-    assert claims({"correlate": {"pearson/trace": 0.9}}, [])[
-        "claim_trace_beats_baselines"] == 0.0
+def test_bootstrap_is_stats_percentile_ci_plus_the_spread_of_its_draws():
+    # the CI is exactly stats.percentile_ci's (same seed, same draws); the sd is over the finite
+    # draws: a statistic that is NaN on half the indices leaves those out of both
+    def stat(p: list[int]) -> float:
+        return math.nan if p[0] % 2 else float(sum(p))
+    got = bootstrap(5, stat, 200, seed=3)
+    assert (got.low, got.high) == stats.percentile_ci(5, stat, 200, seed=3)
+    import random
+    rng, seen = random.Random(3), []
+    for _ in range(200):
+        v = stat([rng.randrange(5) for _ in range(5)])
+        if math.isfinite(v):
+            seen.append(v)
+    assert got.sd == pytest.approx(stats.mean_std(seen)[1])
+
+
+def _cor(**over: float) -> dict[str, float]:
+    cor = {"conditions": 8.0, "pearson/trace": 0.9, "ci_low/trace": 0.6, "ci_high/trace": 0.99,
+           "boot_sd/trace": 0.1, "pearson/neg_ppl": 0.8, "pearson/length": 0.1,
+           "diff_ci_low/neg_ppl": -0.05, "diff_ci_high/neg_ppl": 0.3,
+           "diff_boot_sd/neg_ppl": 0.1, "diff_ci_low/length": 0.3, "diff_ci_high/length": 1.5,
+           "diff_boot_sd/length": 0.3}
+    return cor | over
+
+
+def test_trace_claims_need_the_paired_ci_above_zero_for_each_baseline():
+    cfg = CompareConfig(paper_r_trace=0.74, paper_r_neg_ppl=0.3, paper_r_length=0.1)
+    c = correlation_claims(_cor(), cfg)
+    # higher point estimate than both baselines, but the perplexity difference CI [-0.05, 0.3]
+    # crosses 0, and it excludes the paper's 0.74 - 0.3 = 0.44: contradicted
+    assert c["claim/trace_beats_length/verdict"] == 1.0
+    assert c["claim/trace_beats_length/diff"] == pytest.approx(0.8)
+    assert c["claim/trace_beats_length/paper_effect"] == pytest.approx(0.64)
+    assert c["claim/trace_beats_neg_ppl/verdict"] == -1.0
+    assert c["claim/trace_beats_neg_ppl/paper_effect"] == pytest.approx(0.44)
+    # the MDE from the bootstrap spread: 2.8 sd; pairs = conditions
+    assert c["claim/trace_beats_neg_ppl/mde"] == pytest.approx(0.28)
+    assert c["claim/trace_beats_neg_ppl/pairs"] == 8
+    # a CI that holds 0 and the paper's effect: inconclusive
+    c = correlation_claims(_cor(**{"diff_ci_high/neg_ppl": 0.5}), cfg)
+    assert c["claim/trace_beats_neg_ppl/verdict"] == 0.0
+    assert c["claim/trace_correlates/verdict"] == 1.0          # r's own CI [0.6, 0.99] > 0
+    assert c["claim/trace_correlates/paper_effect"] == 0.74
+    # r's own CI touching 0: not reproduced; no bootstrap (no CI) cannot pass a claim
+    c = correlation_claims(_cor(**{"ci_low/trace": 0.0}), cfg)
+    assert c["claim/trace_correlates/verdict"] == 0.0
+    c = correlation_claims({"pearson/trace": 0.9, "conditions": 8.0}, cfg)
+    assert c["claim/trace_correlates/verdict"] == 0.0
+    assert c["claim/trace_beats_length/verdict"] == 0.0
+    assert not any(k.startswith("claim_") for k in c)           # the old booleans are gone
+
+
+def test_rl_claim_pairs_the_arms_by_seed_and_the_table_prints_every_claim():
+    # final accuracy per seed: rl_trace - rl_acc = 0.05, 0.07, 0.06: mean 0.06, sd 0.01,
+    # t_{0.975, 2} = 4.303: 0.06 +- 0.0248 = [0.035, 0.085] above 0: reproduced
+    cfg = CompareConfig(paper_rl_gain=0.052)
+    acc = {"rl_acc": {0: 0.50, 1: 0.52, 2: 0.48}, "rl_trace": {0: 0.55, 1: 0.59, 2: 0.54}}
+    c = claims({"correlate": _cor()}, acc, cfg)
+    assert c["claim/trace_reward_beats_acc/diff"] == pytest.approx(0.06)
+    assert c["claim/trace_reward_beats_acc/ci_low"] == pytest.approx(
+        0.06 - 4.302653 * 0.01 / math.sqrt(3), abs=1e-5)
+    assert c["claim/trace_reward_beats_acc/verdict"] == 1.0
+    assert c["claim/trace_reward_beats_acc/pairs"] == 3
+    with pytest.raises(ValueError, match="same keys"):
+        claims({"correlate": _cor()}, {"rl_acc": {0: 0.5}, "rl_trace": {1: 0.6}}, cfg)
+    table = results_table({"label": {"macro_f1": 0.8}, "correlate": _cor(), "compare": c})
+    assert ("the accuracy + TRACE reward ends more accurate than the accuracy-only reward "
+            "(final accuracy, paired by seed): **reproduced**: +0.060 [+0.035, +0.085] over 3 "
+            "pairs") in table
+    assert "TRACE tracks accuracy better than length (r(TRACE) - r(length)): **reproduced**" \
+        in table
