@@ -161,11 +161,14 @@ def _load_arm(folder: Path, arm: str) -> tuple[Any, dict[str, Any]]:
 
     if not (folder / "curve.parquet").is_file() or not (folder / "budget.json").is_file():
         raise FileNotFoundError(f"{folder}: no curve.parquet/budget.json; run stage {arm!r}")
-    frame = pl.read_parquet(folder / "curve.parquet")
-    missing = {"seed", "round", "acc", "noisy_frac", "new_items"} - set(frame.columns)
-    if missing or frame.is_empty():
-        raise ValueError(f"{folder / 'curve.parquet'}: missing columns {sorted(missing)} or "
-                         f"no rows")
+    from stages.core.checks import ColumnSpec, FrameSpec, read_parquet_checked
+
+    frame = read_parquet_checked(folder / "curve.parquet", FrameSpec({
+        "seed": ColumnSpec(min=0), "round": ColumnSpec(min=0),
+        "acc": ColumnSpec(min=0.0, max=1.0),
+        # NaN at round 0: nothing selected yet
+        "noisy_frac": ColumnSpec(min=0.0, max=1.0, nullable=True),
+        "new_items": ColumnSpec(min=0, nullable=True)}))
     return frame, json.loads((folder / "budget.json").read_text())
 
 

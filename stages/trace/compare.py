@@ -86,12 +86,14 @@ def final_acc_by_seed(ctx: Any, runs: str, arm: str) -> dict[int, float]:
     """{seed: final accuracy} of one RL arm, from its `finals.parquet`."""
     import polars as pl
 
+    from stages.core.checks import ColumnSpec, FrameSpec, read_parquet_checked
+
     path = ctx.path(runs) / arm / "finals.parquet"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: missing; run stage {arm!r} first")
-    finals = pl.read_parquet(path)
-    if missing := {"seed", "final_acc"} - set(finals.columns):
-        raise ValueError(f"{path}: columns {sorted(missing)} missing (written by stage {arm!r})")
+    finals = read_parquet_checked(path, FrameSpec({
+        "seed": ColumnSpec(dtype=pl.Int64, min=0, unique=True),
+        "final_acc": ColumnSpec(dtype=pl.Float64, min=0.0, max=1.0)}))
     return {int(s): float(a) for s, a in zip(finals["seed"], finals["final_acc"])}
 
 

@@ -29,6 +29,7 @@ import polars as pl
 from pydantic import BaseModel, ConfigDict, Field
 
 from stages.core import io, stats
+from stages.core.checks import ColumnSpec, FrameSpec, read_parquet_checked
 
 SCORES = ("trace", "neg_ppl", "length")
 SAMPLE_COLUMNS = {"condition", "id", "sample", "mix", "steps", "temperature", "correct", "nll",
@@ -113,11 +114,10 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     path = ctx.path(cfg.scores) / "samples.parquet"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: missing; run stage `score` first")
-    samples = pl.read_parquet(path)
-    if missing := SAMPLE_COLUMNS - set(samples.columns):
-        raise ValueError(f"{path}: columns {sorted(missing)} missing (written by stage `score`)")
-    if samples.is_empty():
-        raise ValueError(f"{path}: no samples")
+    # typed where the maths needs it; every listed column present and not null (NaN included)
+    spec = FrameSpec({c: ColumnSpec() for c in SAMPLE_COLUMNS}
+                     | {"correct": ColumnSpec(dtype=pl.Boolean), "nll": ColumnSpec(min=0.0)})
+    samples = read_parquet_checked(path, spec)
     cond = per_condition(samples)
     acc = cond["acc"].to_list()
     m: dict[str, float] = {"conditions": float(cond.height)}
