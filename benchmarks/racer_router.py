@@ -88,8 +88,10 @@ def main() -> None:
             m = float(np.abs(cc[:, 1] - cc[:, 0]).max())
             k = 1.0 if tc is None else math.exp(m / tc)
             t0 = time.perf_counter()
+            # solve_cvxpy solves the penalised (C_tau) problem: compare like with like
             pd = racer.primal_dual(rr, cc, budget, beta=0.1, tau_r=tr, tau_c=tc, iters=20000,
-                                   eta=1 / (0.1 + (m * k) ** 2 / 0.4), alpha=0.1)
+                                   eta=1 / (0.1 + (m * k) ** 2 / 0.4), alpha=0.1,
+                                   constraint="penalized")
             t_pd = time.perf_counter() - t0
             solve_rows.append((n, name, t_cvx, t_pd, float(np.abs(pd["p"] - ref["p"]).max())))
             print(solve_rows[-1], flush=True)
