@@ -54,11 +54,33 @@ def _check(root: Path, pipeline: str, *, device: bool = True) -> None:
     """Every stage's params; `device`: also $PAPERLINE_DEVICE, which only matters where the
     stages run (not for a `--distributed` controller: workers keep their own environment)."""
     from stages.core.config import active_profile, read_yaml
-    from stages.core.runner import build_context, validate_pipeline
+    from stages.core.runner import build_context, pipeline_dir, validate_pipeline
 
+    key = _check_key(root, pipeline_dir(root, pipeline), device)
+    stamp = root / ".paperline" / "cache" / "params-valid" / pipeline
+    if stamp.is_file() and stamp.read_text() == key:
+        return  # same params, same code as the last successful check
     ctx, params, source = build_context(root, pipeline, "check")
     validate_pipeline(pipeline, params, active_profile(read_yaml(root / "params.yaml")), source,
                       check_device=device)
+    from stages.core import io
+
+    io.write_text(stamp, key)
+
+
+def _check_key(root: Path, pdir: Path, device: bool) -> str:
+    """What a params check depends on: the params files and every stage module (by path, size
+    and mtime, cheap to read): validating means importing every stage module of the pipeline
+    (torch among them), most of a no-op `paperline repro`'s own time."""
+    import hashlib
+
+    h = hashlib.sha256(f"{device}:{os.environ.get('PAPERLINE_DEVICE', '')}".encode())
+    for f in (root / "params.yaml", pdir / "params.yaml"):
+        h.update(f.read_bytes() if f.is_file() else b"-")
+    for f in sorted((root / "stages").rglob("*.py")):
+        st = f.stat()
+        h.update(f"{f.relative_to(root)}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -83,7 +105,14 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_repro(args: argparse.Namespace) -> int:
     """Sequential `dvc repro` of each pipeline, each under one MLflow parent run."""
     from flows.results import results_table, update_readme
-    from stages.core.tracking import PARENT_ENV, end_parent_run, start_parent_run
+    from stages.core.tracking import (
+        MODE_ENV,
+        PARENT_ENV,
+        finish_spooled_parent,
+        spool_parent,
+        start_parent_run,
+        tracking_mode,
+    )
 
     root = _root()
     pipelines = _pipelines(root, args.pipeline, args.all)
@@ -100,15 +129,23 @@ def cmd_repro(args: argparse.Namespace) -> int:
     if list_gaps(root):  # stages that ran while MLflow was down: replay them first
         sync_gaps(root)
     dvc = shutil.which("dvc") or str(Path(sys.executable).with_name("dvc"))
+    spool = tracking_mode() == "on"  # stages spool, replayed here (tracking.py docstring)
     for p in pipelines:
-        parent = start_parent_run(root, p, tags={"paperline.executor": "dvc repro"})
         env = dict(os.environ)
+        if spool:
+            parent = spool_parent(root, p, tags={"paperline.executor": "dvc repro"})
+            env[MODE_ENV] = "spool"
+        else:
+            parent = start_parent_run(root, p, tags={"paperline.executor": "dvc repro"})
         if parent:
             env[PARENT_ENV] = parent
         cmd = [dvc, "repro", _dvcfile(root, p), *(["--force"] if args.force else [])]
         print(f"$ {' '.join(cmd[1:])}", flush=True)
         rc = subprocess.run(cmd, cwd=root, env=env).returncode
-        _close_parent(root, parent, rc == 0)
+        if spool:
+            finish_spooled_parent(root, parent, rc == 0)
+        else:
+            _close_parent(root, parent, rc == 0)
         if rc != 0:
             print(f"error: `dvc repro` of pipeline {p!r} failed (exit {rc})", file=sys.stderr)
             return rc

@@ -21,6 +21,14 @@
   back: into the run the stage had created, or into a new one tagged `paperline.stage_run_id`,
   so a replay that is repeated or interrupted creates no duplicate. `paperline tracking gaps`
   lists them.
+- Spooled tracking (`PAPERLINE_TRACKING=spool`, what `paperline repro` gives its stages): the
+  stage process does not talk to MLflow at all (importing MLflow and opening its store cost a
+  trivial stage most of its start-up); everything it would log is recorded like a gap, with the
+  stage's start and end times, and the parent replays it into MLflow right after `dvc repro`
+  (`sync_gaps`), so the runs show up as if logged live. The parent run itself is created only
+  when the first spooled stage is replayed (`PAPERLINE_PARENT_RUN_ID=spool:<token>`): a no-op
+  repro touches MLflow not at all. `PAPERLINE_TRACKING=on` (the default for a plain `dvc repro`)
+  logs live; `off` logs nothing.
 - No duplicate runs after a failure: a stage that runs again with the same stage key under the
   same parent run (a Prefect retry, a rerun after a crash) resumes that earlier run instead of
   creating another; with no parent (plain `dvc repro`) only an unfinished earlier run is resumed.
@@ -44,6 +52,16 @@ log = logging.getLogger("paperline.tracking")
 
 PARENT_ENV = "PAPERLINE_PARENT_RUN_ID"
 FLOW_RUN_ENV = "PAPERLINE_FLOW_RUN_ID"
+MODE_ENV = "PAPERLINE_TRACKING"  # on (default) | spool | off; see the module docstring
+MODES = ("on", "spool", "off")
+SPOOL_PARENT = "spool:"  # PAPERLINE_PARENT_RUN_ID prefix: a parent run created at replay
+
+
+def tracking_mode(environ: Any = os.environ) -> str:
+    mode = environ.get(MODE_ENV, "on").strip().lower() or "on"
+    if mode not in MODES:
+        raise ValueError(f"${MODE_ENV} = {mode!r}: expected one of {', '.join(MODES)}")
+    return mode
 
 
 def tracking_uri(root: Path) -> str:
@@ -198,7 +216,9 @@ class StageTracker:
             self.gap["ops"].append({"op": op, **args})
 
     def __enter__(self) -> "StageTracker":
-        if os.environ.get("PAPERLINE_TRACKING", "on") == "off":
+        self.mode = tracking_mode()
+        self._started_ms = _now_ms()
+        if self.mode == "off":
             self.ok = False
             return self
         tags = {"paperline.pipeline": self.ctx.pipeline, "paperline.stage": self.ctx.stage,
@@ -216,6 +236,11 @@ class StageTracker:
             flat = _flatten(self.cfg.model_dump(mode="json"))
             flat.update({"profile": self.ctx.profile, "seed": self.ctx.seed})
             self._params = {k: str(v)[:500] for k, v in flat.items()}
+            if self.mode == "spool":  # everything is recorded for the parent to replay
+                self.ok = False
+                self.gap = {"failed_at": "spool", "error": "", "ops": []}
+                self._record("params", params=self._params)
+                return self
 
             import mlflow
 
@@ -350,12 +375,19 @@ class StageTracker:
                 self._fail("end_run", err)
                 _drop_active_run(self.run_id)
         if self.gap is not None:
-            self._record("end", status=status)
+            self._record("end", status=status, end_ms=_now_ms())
+            spooled = self.gap["failed_at"] == "spool"
+            uri = _redact(tracking_uri(main_root(self.ctx.root))) if spooled else _safe_uri()
             self.gap_file = write_gap(self.ctx.root, {
                 "stage_run_id": self.stage_run_id, "run_id": self.run_id,
                 "experiment": self.ctx.pipeline, "run_name": self.ctx.stage,
-                "tracking_uri": _safe_uri(), "tags": self._tags, "params": self._params,
+                "tracking_uri": uri, "tags": self._tags, "params": self._params,
+                "started_ms": self._started_ms,
                 "recorded": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **self.gap})
+            if spooled:
+                log.info("tracking of %s/%s spooled to %s (replayed by the parent)",
+                         self.ctx.pipeline, self.ctx.stage, self.gap_file)
+                return
             log.warning("MLflow tracking gap: stage %s/%s %s, its outputs are written, but %d "
                         "tracking call(s) from `%s` on did not reach MLflow (%s); recorded in %s: "
                         "run `paperline tracking sync` once MLflow is back",
@@ -443,13 +475,18 @@ def _safe_uri() -> str:
 # Gaps: what a stage could not log while MLflow was unreachable, replayed by `sync_gaps`
 
 
-def gaps_dir(root: Path) -> Path:
-    """`.paperline/tracking-gaps` of the main repo (also for a stage in a Prefect workspace,
-    `<main>/.paperline/workspaces/<n>`, which is removed after the run)."""
+def main_root(root: Path) -> Path:
+    """The main repo, also for a stage in a Prefect workspace `<main>/.paperline/workspaces/<n>`
+    (removed after the run)."""
     root = Path(root).resolve()
     if root.parent.name == "workspaces" and root.parent.parent.name == ".paperline":
         root = root.parents[2]
-    return root / ".paperline" / "tracking-gaps"
+    return root
+
+
+def gaps_dir(root: Path) -> Path:
+    """`.paperline/tracking-gaps` of the main repo."""
+    return main_root(root) / ".paperline" / "tracking-gaps"
 
 
 def write_gap(root: Path, record: dict[str, Any]) -> Path:
@@ -476,31 +513,44 @@ class GapNotReady(Exception):
     as if MLflow were down."""
 
 
-def _replay(client: Any, gap: dict[str, Any]) -> str:
+def _replay(client: Any, gap: dict[str, Any], root: Path | None = None) -> str:
     """Replay one gap; returns the run id it went into. Idempotent: the run is found again by
     its id, or by the `paperline.stage_run_id` tag it is created with."""
     from mlflow.entities import Param
 
     run_id = gap.get("run_id")
+    spooled = gap["failed_at"] == "spool"
     if not run_id:
         exp = client.get_experiment_by_name(gap["experiment"])
         exp_id = exp.experiment_id if exp else client.create_experiment(gap["experiment"])
         found = client.search_runs(
             [exp_id], filter_string=f"tags.`paperline.stage_run_id` = '{gap['stage_run_id']}'",
             max_results=1)
-        parent = gap["tags"].get("mlflow.parentRunId")
-        rerun = (find_stage_run(exp_id, gap["tags"]["dvc.stage_key"], parent, client)
-                 if parent and gap["tags"].get("dvc.stage_key") else None)
+        tags = dict(gap["tags"])
+        parent = tags.get("mlflow.parentRunId")
+        if parent and parent.startswith(SPOOL_PARENT):
+            parent = tags["mlflow.parentRunId"] = spooled_parent(client, exp_id, parent, gap,
+                                                                 root or Path.cwd())
+        rerun = (find_stage_run(exp_id, tags["dvc.stage_key"], parent, client)
+                 if parent and tags.get("dvc.stage_key") else None)
         if found:
             run_id = found[0].info.run_id
+        elif rerun is not None and spooled:  # a retry of a spooled stage: resume that run
+            run_id = rerun.info.run_id
+            tries = int(rerun.data.tags.get("paperline.attempts", "1")) + 1
+            client.set_tag(run_id, "paperline.attempts", str(tries))
+            client.set_tag(run_id, "paperline.stage_run_id", gap["stage_run_id"])
         elif rerun is not None:  # the stage ran again under the same parent after recovery
             return rerun.info.run_id  # superseded: that run is the record, no second one
         else:
-            tags = {**gap["tags"], "paperline.replayed": "true"}
-            run_id = client.create_run(exp_id, tags=tags, run_name=gap["run_name"]).info.run_id
-    client.set_tag(run_id, "paperline.tracking_gap", f"replayed: failed at {gap['failed_at']}")
+            if not spooled:
+                tags["paperline.replayed"] = "true"
+            run_id = client.create_run(exp_id, tags=tags, run_name=gap["run_name"],
+                                       start_time=gap.get("started_ms")).info.run_id
+    if not spooled:
+        client.set_tag(run_id, "paperline.tracking_gap", f"replayed: failed at {gap['failed_at']}")
     have = client.get_run(run_id).data.params
-    status = "FINISHED"
+    status, end_ms = "FINISHED", None
     for op in gap["ops"]:
         kind = op["op"]
         if kind == "params":
@@ -528,11 +578,78 @@ def _replay(client: Any, gap: dict[str, Any]) -> str:
         elif kind == "method_run":
             _replay_method_run(client, run_id, gap, op)
         elif kind == "end":
-            status = op["status"]
+            status, end_ms = op["status"], op.get("end_ms")
     run = client.get_run(run_id)
     own = run.data.tags.get("paperline.stage_run_id") in (None, gap["stage_run_id"])
     if own or run.info.status == "RUNNING":  # never overwrite a retry's own final status
-        client.set_terminated(run_id, status=status)
+        client.set_terminated(run_id, status=status, end_time=end_ms)
+    return run_id
+
+
+def _parent_file(root: Path, token: str) -> Path:
+    name = re.sub(r"[^A-Za-z0-9_-]", "_", token)
+    return gaps_dir(root).parent / "tracking-parents" / f"{name}.json"
+
+
+def spool_parent(root: Path, pipeline: str, tags: dict[str, str] | None = None) -> str:
+    """A token standing for the parent run of one execution whose stages spool their tracking;
+    MLflow is not touched: the run is created when the first stage is replayed
+    (`spooled_parent`), with these tags and this start time."""
+    from .io import write_json
+
+    token = f"{SPOOL_PARENT}{uuid.uuid4().hex}"
+    write_json(_parent_file(root, token), {
+        "pipeline": pipeline, "started_ms": _now_ms(),
+        "tags": {"paperline.pipeline": pipeline, "paperline.kind": "pipeline",
+                 "git.commit": git_commit(root), **(tags or {})}})
+    return token
+
+
+def finish_spooled_parent(root: Path, token: str, ok: bool) -> dict[str, int]:
+    """After the execution: replay what its stages spooled (and any older gap) and close its
+    parent run. Nothing ran (everything up to date): no run is created and MLflow is not
+    touched. Returns `sync_gaps`'s counts."""
+    from .io import write_json
+
+    record_file = _parent_file(root, token)
+    record = json.loads(record_file.read_text()) if record_file.is_file() else {}
+    write_json(record_file, {**record, "status": "FINISHED" if ok else "FAILED",
+                             "end_ms": _now_ms()})
+    out = {"replayed": 0, "left": 0}
+    if any(g["tags"].get("mlflow.parentRunId") == token for _, g in list_gaps(root)):
+        out = sync_gaps(root, quiet=True)
+        with contextlib.suppress(Exception):  # created by an earlier sync, before the end
+            from mlflow import MlflowClient
+
+            client = MlflowClient()
+            exp = client.get_experiment_by_name(record.get("pipeline", ""))
+            for run in client.search_runs([exp.experiment_id], filter_string=(
+                    f"tags.`paperline.spool_parent` = '{token}'"), max_results=1):
+                if run.info.status == "RUNNING":
+                    client.set_terminated(run.info.run_id, status="FINISHED" if ok else "FAILED")
+    if not any(g["tags"].get("mlflow.parentRunId") == token for _, g in list_gaps(root)):
+        record_file.unlink(missing_ok=True)  # replayed (or nothing to replay): done
+    return out
+
+
+def spooled_parent(client: Any, exp_id: str, token: str, gap: dict[str, Any],
+                   root: Path) -> str:
+    """The parent run of a spooled execution (`PAPERLINE_PARENT_RUN_ID=spool:<token>`): found by
+    its token, or created now from the record `spool_parent` left (closed at once when the
+    execution has ended)."""
+    found = client.search_runs([exp_id], filter_string=f"tags.`paperline.spool_parent` = "
+                                                        f"'{token}'", max_results=1)
+    if found:
+        return found[0].info.run_id
+    record_file = _parent_file(root, token)
+    record = json.loads(record_file.read_text()) if record_file.is_file() else {}
+    tags = {"paperline.pipeline": gap["experiment"], "paperline.kind": "pipeline",
+            **record.get("tags", {}), "paperline.spool_parent": token}
+    run_id = client.create_run(exp_id, tags=tags, run_name=f"{gap['experiment']}-pipeline",
+                               start_time=record.get("started_ms", gap.get("started_ms"))
+                               ).info.run_id
+    if record.get("status"):
+        client.set_terminated(run_id, status=record["status"], end_time=record.get("end_ms"))
     return run_id
 
 
@@ -607,7 +724,7 @@ def sync_gaps(root: Path, quiet: bool = False) -> dict[str, int]:
                         path.name, gap["tracking_uri"], _safe_uri())
             continue
         try:
-            run_id = _replay(client, gap)
+            run_id = _replay(client, gap, root)
         except GapNotReady as exc:
             log.warning("gap %s kept (`paperline tracking gaps` lists it): %s", path.name, exc)
             continue

@@ -72,3 +72,101 @@ def test_replay_does_not_overwrite_a_retry_that_finished_the_run(tmp_path, clien
            "failed_at": "log_metrics", "tags": {}, "ops": [{"op": "end", "status": "FAILED"}]}
     tracking._replay(client, gap)
     assert client.get_run(run_id).info.status == "FINISHED"
+
+
+# ---------------------------------------------------------------------------------------------
+# Spooled tracking (`PAPERLINE_TRACKING=spool`, what `paperline repro` gives its stages)
+
+SPOOL_STAGE = r'''
+import json, sys
+from pathlib import Path
+from types import SimpleNamespace
+from pydantic import BaseModel
+from stages.core.tracking import StageTracker
+
+class Cfg(BaseModel):
+    lr: float = 0.1
+
+root = Path(sys.argv[1])
+ctx = SimpleNamespace(root=root, pipeline_dir=root, pipeline="p", stage=sys.argv[2],
+                      profile="smoke", seed=0)
+with StageTracker(ctx, Cfg()) as t:
+    t.log_metrics({"acc": 0.5})
+    with t.method_run("arms", "grpo", 1, {"beta": 0.0}) as run:
+        run.log_metrics({"acc": 0.25}, step=3)
+print(json.dumps({"mlflow_imported": "mlflow" in sys.modules, "gap": str(t.gap_file)}))
+'''
+
+
+def _spooled_stage(root: Path, stage: str, parent: str) -> dict:
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PAPERLINE_TRACKING": "spool", "PAPERLINE_PARENT_RUN_ID": parent,
+           "MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlflow.db'}",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    out = subprocess.run([sys.executable, "-c", SPOOL_STAGE, str(root), stage], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_spooled_stages_touch_no_mlflow_and_replay_under_one_parent(tmp_path, monkeypatch):
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    token = tracking.spool_parent(tmp_path, "p", tags={"paperline.executor": "test"})
+    assert token.startswith(tracking.SPOOL_PARENT)
+    stages = [_spooled_stage(tmp_path, s, token) for s in ("train", "evaluate")]
+    assert not any(s["mlflow_imported"] for s in stages)  # the whole point: no MLflow start-up
+    assert len(tracking.list_gaps(tmp_path)) == 2
+
+    tracking.finish_spooled_parent(tmp_path, token, ok=True)
+    assert tracking.list_gaps(tmp_path) == []
+    assert not tracking._parent_file(tmp_path, token).exists()
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name("p")
+    parents = client.search_runs([exp.experiment_id], "tags.`paperline.kind` = 'pipeline'")
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    assert parents[0].data.tags["paperline.executor"] == "test"
+    children = client.search_runs([exp.experiment_id], "tags.mlflow.parentRunId = "
+                                                       f"'{parents[0].info.run_id}'")
+    assert sorted(c.info.run_name for c in children) == ["evaluate", "train"]
+    for c in children:
+        assert c.info.status == "FINISHED" and c.data.metrics["acc"] == 0.5
+        assert c.data.params["lr"] == "0.1"
+        assert c.info.start_time <= c.info.end_time  # the stage's own times, not the replay's
+        assert c.info.end_time <= parents[0].info.end_time
+        assert "paperline.tracking_gap" not in c.data.tags  # not an outage
+        method = client.search_runs([exp.experiment_id], "tags.mlflow.parentRunId = "
+                                                         f"'{c.info.run_id}'")
+        assert [m.data.tags["paperline.method"] for m in method] == ["grpo"]
+        assert method[0].data.metrics["acc"] == 0.25
+
+    # the same stage again under the same execution (a retry): the same run, attempt 2
+    again = tracking.spool_parent(tmp_path, "p")
+    first = _spooled_stage(tmp_path, "train", again)
+    second = _spooled_stage(tmp_path, "train", again)
+    assert first["gap"] != second["gap"]
+    tracking.finish_spooled_parent(tmp_path, again, ok=True)
+    runs = client.search_runs([exp.experiment_id], "attributes.run_name = 'train'")
+    mine = [r for r in runs if r.data.tags.get("paperline.attempts")]
+    assert len(runs) == 2 and len(mine) == 1 and mine[0].data.tags["paperline.attempts"] == "2"
+
+
+def test_an_execution_where_nothing_ran_creates_no_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'never.db'}")
+    token = tracking.spool_parent(tmp_path, "p")
+    assert tracking._parent_file(tmp_path, token).is_file()
+    assert tracking.finish_spooled_parent(tmp_path, token, ok=True) == {"replayed": 0, "left": 0}
+    assert not tracking._parent_file(tmp_path, token).exists()
+    assert not (tmp_path / "never.db").exists()  # MLflow was never opened
+
+
+def test_tracking_mode_is_checked():
+    assert tracking.tracking_mode({}) == "on"
+    assert tracking.tracking_mode({"PAPERLINE_TRACKING": "Spool"}) == "spool"
+    with pytest.raises(ValueError, match="PAPERLINE_TRACKING"):
+        tracking.tracking_mode({"PAPERLINE_TRACKING": "spooled"})
