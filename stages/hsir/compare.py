@@ -7,7 +7,7 @@ relative to STaR as (a - b) / b (paper: up to +10.9% accuracy, up to -42.4% infe
 the training pool's share of hard queries (spec: VeriExit raises it), its mean re-verification
 steps, and the share of VeriExit rows that are the true derivation (`faithful_rate`).
 
-RL arms (`stages.train.grpo`: GRPO, H-GRPO, GRPO + length penalty): their saved curve has no
+RL arms (`stages.hsir.rl` on the shared GRPO engine: GRPO, H-GRPO, GRPO + length penalty): their saved curve has no
 hard split and no tokens per solved query, so each seed's final policy is evaluated here with
 the same greedy pass as the self-training arms, then compared with plain GRPO.
 
