@@ -159,3 +159,23 @@ def test_two_repros_of_one_pipeline_take_turns(crash_repo: Path):
     assert f"pipeline 'base' is being run by pid {first.pid}" in err2, err2
     assert "is busy" not in err1 + err2
     assert "Running stage" not in out2  # it waited, then found everything up to date
+
+
+def test_a_stage_runs_in_a_fresh_workspace(smoke_repo: Path, tmp_path: Path):
+    """What `paperline run` does with a second branch: a fresh workspace (sources only, the main
+    repo's cache) where `dvc repro <stage>` restores exactly the declared upstream outputs. trace's
+    `label` loaded models/base at smoke without declaring it: it passed wherever an earlier stage
+    had left models/base in the workspace and failed in a fresh one (3 of 4 `paperline run trace`
+    on fresh clones). A stage reading an undeclared output fails here every time."""
+    from dvc.repo import Repo
+
+    from flows.runner import repo_outs, source_files, sync_workspace
+
+    with Repo(str(smoke_repo)) as r:
+        cache_dir = str(Path(r.cache.local_cache_dir).resolve())
+    ws = tmp_path / "ws"
+    sync_workspace(smoke_repo, ws, source_files(smoke_repo, repo_outs(smoke_repo)), cache_dir)
+    assert not (ws / "models/base").exists()
+    proc = dvc(ws, "repro", "pipelines/trace/dvc.yaml:label", check=False, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Stage 'base' is cached" in proc.stdout  # restored because label declares it
