@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 
 from stages.core.config import ParamsError, UnknownNameError, did_you_mean, find_root
+from stages.core.proc import PipelineBusy, kill_with_parent, pipeline_lock
 
 
 def _root() -> Path:
@@ -103,7 +104,25 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_repro(args: argparse.Namespace) -> int:
-    """Sequential `dvc repro` of each pipeline, each under one MLflow parent run."""
+    """Sequential `dvc repro` of each pipeline, each under one MLflow parent run; one run of a
+    pipeline at a time (a second waits for the first, or with --no-wait refuses)."""
+    import contextlib
+
+    root = _root()
+    pipelines = _pipelines(root, args.pipeline, args.all)
+    for p in pipelines:  # every params error surfaces before any compute
+        _check(root, p)
+    with contextlib.ExitStack() as locks:
+        for p in sorted(pipelines):  # one order for everyone: two `--all` never deadlock
+            locks.enter_context(pipeline_lock(root, p, wait=not args.no_wait,
+                                              what=f"paperline repro {p}"))
+        from stages.core.io import clean_repo_tmp
+
+        clean_repo_tmp(root)  # what killed stages left (a restore from the cache would not)
+        return _repro(root, pipelines, args)
+
+
+def _repro(root: Path, pipelines: list[str], args: argparse.Namespace) -> int:
     from flows.results import results_table, update_readme
     from stages.core.tracking import (
         MODE_ENV,
@@ -114,10 +133,6 @@ def cmd_repro(args: argparse.Namespace) -> int:
         tracking_mode,
     )
 
-    root = _root()
-    pipelines = _pipelines(root, args.pipeline, args.all)
-    for p in pipelines:  # every params error surfaces before any compute
-        _check(root, p)
     if not os.environ.get("MLFLOW_TRACKING_URI"):
         from flows import stack
 
@@ -141,7 +156,8 @@ def cmd_repro(args: argparse.Namespace) -> int:
             env[PARENT_ENV] = parent
         cmd = [dvc, "repro", _dvcfile(root, p), *(["--force"] if args.force else [])]
         print(f"$ {' '.join(cmd[1:])}", flush=True)
-        rc = subprocess.run(cmd, cwd=root, env=env).returncode
+        # a killed `paperline repro` takes its dvc, and dvc its stage, along (stages/core/proc.py)
+        rc = subprocess.run(cmd, cwd=root, env=env, preexec_fn=kill_with_parent()).returncode
         if spool:
             finish_spooled_parent(root, parent, rc == 0)
         else:
@@ -197,7 +213,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 1 if failed else 0
     summary = run_pipeline(root, pipeline, targets=args.stage or None,
                            max_parallel=args.max_parallel, retries=args.retries, force=args.force,
-                           gpu_slots=args.gpu_slots)
+                           gpu_slots=args.gpu_slots, wait=not args.no_wait)
     failed = [s for s, v in summary.items() if isinstance(v, dict) and v.get("state") == "failed"]
     return 1 if failed else 0
 
@@ -353,6 +369,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("pipeline", nargs="?")
     p.add_argument("--all", action="store_true", help="every pipeline")
     p.add_argument("--force", action="store_true", help="dvc repro --force")
+    p.add_argument("--no-wait", action="store_true",
+                   help="refuse at once when another run of the pipeline holds its lock")
     p.set_defaults(func=cmd_repro)
 
     p = sub.add_parser("run", help="run a pipeline's DAG through Prefect")
@@ -368,6 +386,8 @@ def build_parser() -> argparse.ArgumentParser:
                         " / paperline-gpu by meta.gpus; needs S3 storage and a clean git tree)")
     p.add_argument("--stage-timeout", type=float, default=3600.0,
                    help="--distributed: seconds a stage may take, queueing included")
+    p.add_argument("--no-wait", action="store_true",
+                   help="refuse at once when another run of the pipeline holds its lock")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("compare", help="registered models and runs side by side")
@@ -431,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ParamsError, UnknownNameError, FileNotFoundError) as exc:
+    except (ParamsError, UnknownNameError, FileNotFoundError, PipelineBusy) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

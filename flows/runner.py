@@ -71,6 +71,8 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from stages.core.config import did_you_mean, find_root, read_yaml
+from stages.core.io import clean_repo_tmp, clean_stale_tmp_in
+from stages.core.proc import kill_with_parent, pipeline_lock
 
 GPU_LIMIT = "paperline-gpu"
 WORKSPACES = Path(".paperline") / "workspaces"
@@ -321,8 +323,10 @@ def _stream(cmd: list[str], cwd: Path, env: dict[str, str], logger: Any,
 
     Carriage-return updates (progress bars) are forwarded at most every `progress_every` s.
     """
+    # the dvc process (and through it its stage, stages/core/proc.py) dies with this process
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            preexec_fn=kill_with_parent())
     assert proc.stdout is not None
     fd = proc.stdout.fileno()
     lines: list[str] = []
@@ -379,6 +383,7 @@ class _Run:
     cache_dir: str
     force: bool
     stages: dict[str, StagePlan] = field(default_factory=dict)
+    outs: list[str] = field(default_factory=list)  # every DVC output, relative to the root
 
 
 _RUNS: dict[str, _Run] = {}
@@ -410,6 +415,7 @@ def _stage_task(run_key: str, target: str) -> dict[str, Any]:
     with gpu, run.pool.slot() as ws:
         started = time.monotonic()  # the stage's own time, not its wait for a slot
         sync_workspace(run.root, ws, run.files, run.cache_dir)
+        clean_stale_tmp_in(ws / o for o in run.outs)  # a killed earlier run's stage left them
         env = _stage_env(run, ws)
         dvc = dvc_executable()
         logger.info("workspace %s", ws.relative_to(run.root))
@@ -519,9 +525,21 @@ def _delete_if_empty(root: Path, parent: str | None) -> None:
 @flow(name="paperline", persist_result=False, log_prints=False)
 def pipeline_flow(pipeline: str, root: str | None = None, targets: list[str] | None = None,
                   max_parallel: int = 2, retries: int = 1, force: bool = False,
-                  gpu_slots: int | None = None) -> dict[str, Any]:
+                  gpu_slots: int | None = None, wait: bool = True) -> dict[str, Any]:
     """Execute pipeline `pipeline` (a folder under pipelines/, or `base`) of the repo at `root`
-    (default: `PAPERLINE_ROOT`, else the working directory) as its DVC DAG; see module docstring."""
+    (default: `PAPERLINE_ROOT`, else the working directory) as its DVC DAG; see module docstring.
+    One run of a pipeline at a time: a second waits for the first (`wait=False`: fails)."""
+    repo = find_root(root or os.environ.get("PAPERLINE_ROOT") or None)
+    dvcfile_of(repo, pipeline)  # an unknown pipeline: 'did you mean', before taking its lock
+    logger = get_run_logger()
+    with pipeline_lock(repo, pipeline, wait=wait, what=f"paperline run {pipeline}",
+                       say=logger.warning):
+        clean_repo_tmp(repo)  # what killed stages left (a restore from the cache would not)
+        return _pipeline_flow(repo, pipeline, targets, max_parallel, retries, force, gpu_slots)
+
+
+def _pipeline_flow(repo: Path, pipeline: str, targets: list[str] | None, max_parallel: int,
+                   retries: int, force: bool, gpu_slots: int | None) -> dict[str, Any]:
     from prefect.runtime import flow_run
     from prefect.task_runners import ThreadPoolTaskRunner
 
@@ -529,7 +547,6 @@ def pipeline_flow(pipeline: str, root: str | None = None, targets: list[str] | N
 
     logger = get_run_logger()
     started = time.monotonic()
-    repo = find_root(root or os.environ.get("PAPERLINE_ROOT") or None)
     if max_parallel < 1:
         raise ValueError(f"max_parallel = {max_parallel}: expected at least 1")
     plan = load_plan(repo, pipeline, targets, force)
@@ -567,9 +584,11 @@ def pipeline_flow(pipeline: str, root: str | None = None, targets: list[str] | N
 
     with Repo(str(repo)) as r:
         cache_dir = str(Path(r.cache.local_cache_dir).resolve())
-    files = source_files(repo, repo_outs(repo)) if todo else []
+    outs = repo_outs(repo) if todo else set()
+    files = source_files(repo, outs) if todo else []
     run = _Run(root=repo, env=env, pool=WorkspacePool(repo, max_parallel), files=files,
-               cache_dir=cache_dir, force=force, stages={s.target: s for s in plan})
+               cache_dir=cache_dir, force=force, stages={s.target: s for s in plan},
+               outs=sorted(outs))
     _RUNS[key] = run
     summary: dict[str, dict[str, Any]] = {}
     failed: list[str] = []
@@ -650,7 +669,7 @@ def stack_endpoints(root: Path) -> Iterator[None]:
 
 def run_pipeline(root: Path, pipeline: str, *, targets: list[str] | None = None,
                  max_parallel: int = 2, retries: int = 1, force: bool = False,
-                 gpu_slots: int | None = None) -> RunSummary:
+                 gpu_slots: int | None = None, wait: bool = True) -> RunSummary:
     """Run the Prefect flow in this process; returns stage -> {state, seconds} (never raises for
     a failed stage: its state is `failed`, its downstream stages `blocked`).
 
@@ -661,7 +680,7 @@ def run_pipeline(root: Path, pipeline: str, *, targets: list[str] | None = None,
     with stack_endpoints(root):
         state = pipeline_flow(pipeline=pipeline, root=str(root), targets=targets,
                               max_parallel=max_parallel, retries=retries, force=force,
-                              gpu_slots=gpu_slots, return_state=True)
+                              gpu_slots=gpu_slots, wait=wait, return_state=True)
     value = state.result(raise_on_failure=False)
     if isinstance(value, PipelineFailed):
         value = value.summary

@@ -3,9 +3,19 @@
 It finds the repo, loads and validates the params of every stage of the pipeline (so a typo
 anywhere fails before any compute), runs the stage inside an MLflow child run, and writes the
 returned metrics atomically to `<paths.metrics>/<stage>.json` for DVC.
+
+Run as a program it first re-executes itself with PYTHONHASHSEED=0 (the same bytes whatever seed
+the caller had), then ties its life to the process that started it (a killed `dvc repro` takes
+its stage with it): stages/core/proc.py.
 """
 
 from __future__ import annotations
+
+if __name__ == "__main__":  # before any heavy import: the first interpreter may be replaced
+    from stages.core import proc
+
+    proc.fixed_hash_seed()
+    proc.die_with_parent()
 
 import argparse
 import sys

@@ -2,7 +2,11 @@
 
 A stage killed mid-run therefore leaves either the previous output or nothing, never a
 half-written file. `os.replace` is atomic on POSIX within one filesystem, which is why the
-temporary path is a sibling of the target and not in /tmp.
+temporary path is a sibling of the target and not in /tmp. A stage whose `dvc repro` was killed
+never renames: `proc.check_owner` refuses first (the stage itself is killed too, see proc.py).
+
+Temporaries are named `.<name>.tmp-<pid>-<hex>`; those of a dead pid are removed at the start of
+every `paperline repro` / `paperline run` and of every stage (`clean_stale_tmp_in`).
 """
 
 from __future__ import annotations
@@ -10,10 +14,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
+
+from . import proc
+
+TMP_NAME = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)-\w+$")
 
 
 def _tmp_sibling(path: Path) -> Path:
@@ -41,6 +50,7 @@ def atomic_path(path: str | os.PathLike[str], *, is_dir: bool = False) -> Iterat
         tmp.mkdir()
     try:
         yield tmp
+        proc.check_owner(str(target))  # an abandoned stage must not overwrite what dvc recorded
         if is_dir:
             old = None
             if target.exists():
@@ -102,18 +112,38 @@ def clean_stale_tmp(directory: str | os.PathLike[str], name: str | None = None) 
     d = Path(directory)
     if not d.is_dir():
         return 0
-    prefix = f".{name}.tmp-" if name else "."
     for p in d.iterdir():
-        if not (p.name.startswith(prefix) and ".tmp-" in p.name):
+        m = TMP_NAME.match(p.name)
+        if m is None or (name is not None and m["name"] != name):
             continue
-        try:
-            pid = int(p.name.rsplit(".tmp-", 1)[1].split("-", 1)[0])
-        except ValueError:
-            continue
-        if not _pid_alive(pid):
+        if not _pid_alive(int(m["pid"])):
             _remove(p)
             removed += 1
     return removed
+
+
+def clean_stale_tmp_in(paths: Iterable[str | os.PathLike[str]]) -> int:
+    """Remove dead writers' temporaries next to every path in `paths` (a pipeline's declared
+    outputs) and, for a path that is a folder (`metrics/`, a model folder), inside it too; never
+    those of a live pid. Returns how many were removed."""
+    folders: set[Path] = set()
+    for p in map(Path, paths):
+        folders.add(p.parent)
+        if p.is_dir():
+            folders.add(p)
+    return sum(clean_stale_tmp(d) for d in sorted(folders))
+
+
+def clean_repo_tmp(root: str | os.PathLike[str]) -> int:
+    """`clean_stale_tmp_in` over every output DVC knows in the repo (every pipeline's outs,
+    metrics and plots): what `paperline repro` / `paperline run` remove before they start, since a
+    stage restored from the cache never starts to remove them itself."""
+    from dvc.repo import Repo
+
+    root = Path(root).resolve()
+    with Repo(str(root)) as repo:
+        outs = [Path(o.fs_path) for o in repo.index.outs]
+    return clean_stale_tmp_in(p for p in outs if p.is_relative_to(root))
 
 
 def save_model(model: Any, tokenizer: Any, path: str | os.PathLike[str]) -> Path:

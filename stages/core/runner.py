@@ -149,8 +149,8 @@ def run_stage(pipeline: str, stage: str, *, check_only: bool = False,
 
     from .tracking import StageTracker
 
-    for path in ctx.paths.values():  # what a killed earlier run of any stage left behind
-        io.clean_stale_tmp(path.parent, path.name)
+    # what a killed earlier run of any stage left behind, in every output folder, metrics included
+    io.clean_stale_tmp_in([*ctx.paths.values(), ctx.metrics_dir])
     started = time.time()
     with StageTracker(ctx, cfg) as tracker:
         ctx.tracker = tracker
