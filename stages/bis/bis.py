@@ -213,12 +213,11 @@ def subset_stats(rows: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def run(cfg: Config, ctx: Any) -> dict[str, float]:
-    path = ctx.path(cfg.mc_labels) / "train.parquet"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no MC-annotated rollouts; run `mc_annotate` first")
-    rows = pl.read_parquet(path).to_dicts()
-    if not rows:
-        raise ValueError(f"{path}: the pool is empty")
+    from stages.core.checks import read_parquet_checked
+    from stages.models import mc_annotate
+
+    rows = read_parquet_checked(ctx.path(cfg.mc_labels) / "train.parquet",
+                                mc_annotate.expectations()).to_dicts()
     scores = [r["mc_scores"] for r in rows]
     sources = [r["source"] for r in rows]
     table, metrics = [], {}

@@ -166,10 +166,26 @@ def _plot(curves: pl.DataFrame, full_level: float, path: Path) -> None:
     plt.close(fig)
 
 
+def input_spec(table: Literal["evaluation", "curves"]) -> Any:
+    """What run() reads: `evaluation` (stage evaluate: per arm and seed the test F1s and
+    best-of-N accuracy) or `curves` (train_prm: validation F1 per training step)."""
+    from stages.core.checks import ColumnSpec, FrameSpec
+
+    share = ColumnSpec(dtype=pl.Float64, min=0.0, max=1.0)  # an F1 or an accuracy, never NaN
+    key = {"arm": ColumnSpec(dtype=pl.String), "seed": ColumnSpec(dtype=pl.Int64)}
+    if table == "evaluation":
+        return FrameSpec({**key, "val_f1": share, "f1": share, "f1_wrong": share,
+                          "best_of_n": share})
+    return FrameSpec({**key, "step": ColumnSpec(dtype=pl.Int64, min=0), "val_f1": share})
+
+
 def run(cfg: Config, ctx: Any) -> dict[str, float]:
     arms = json.loads((ctx.path(cfg.subsets) / "arms.json").read_text())
-    evaluation = pl.read_parquet(ctx.path(cfg.evaluation) / "evaluation.parquet")
-    curves = pl.read_parquet(ctx.path(cfg.prms) / "curves.parquet")
+    from stages.core.checks import read_parquet_checked
+
+    evaluation = read_parquet_checked(ctx.path(cfg.evaluation) / "evaluation.parquet",
+                                      input_spec("evaluation"))
+    curves = read_parquet_checked(ctx.path(cfg.prms) / "curves.parquet", input_spec("curves"))
     m = summarize(arms, evaluation, curves, cfg.full_arm, cfg.claims)
     refs = json.loads((ctx.path(cfg.evaluation) / "references.json").read_text())
     m |= {f"bon_{k}": float(v) for k, v in refs.items() if k in ("random", "majority", "oracle")}

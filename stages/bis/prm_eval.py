@@ -64,10 +64,13 @@ def reference_selection(rows: list[dict[str, Any]], family: Any) -> dict[str, fl
 
 
 def run(cfg: Config, ctx: Any) -> dict[str, float]:
+    from stages.core.checks import read_parquet_checked
+    from stages.models import rollouts
     from stages.models.base import set_threads
     from stages.tasks import get_family
 
-    bench = pl.read_parquet(ctx.path(cfg.benchmark) / "test.parquet").to_dicts()
+    bench = read_parquet_checked(ctx.path(cfg.benchmark) / "test.parquet",
+                                 rollouts.expectations()).to_dicts()
     val_rows, test_rows = prm.benchmark_split(bench, cfg.val_share)
     folder = ctx.path(cfg.prms)
     models = sorted(p.parent for p in folder.glob("*/seed*/config.json"))

@@ -1,13 +1,16 @@
 """Data checks at stage boundaries: a small declarative spec run as a great-expectations suite.
 
 A stage describes a table with a `FrameSpec` (columns with dtype, not-null, unique, range, value
-set, exact distinct set; a minimum row count). Producers call `validate_frame(df, spec, name)`
+set, exact distinct set; for list columns a minimum length and rules for the values inside; a
+minimum row count). Producers call `validate_frame(df, spec, name)`
 before declaring success; consumers call `read_parquet_checked(path, spec)` on every input, which
 turns a missing, empty, truncated or corrupt file, a missing column, a wrong dtype, a null or NaN
 into one `DataValidationError` naming the file, the column and the rule, before any compute.
 
 great-expectations 1.x has no polars engine, so the suite runs on `df.to_pandas()`. Dtypes are
-checked on the polars schema first (exact: Int32 vs Int64), the rest by GE. GE is imported lazily
+checked on the polars schema only (exact: Int32 vs Int64), before GE: the pandas conversion
+changes them (a null turns an Int64 column into float64), so a GE type check would report a
+second, spurious failure beside the real one. The rest runs in GE. GE is imported lazily
 (about 4 s) and its ephemeral context is created once per process; one validation of a 20k-row
 split takes tens of milliseconds after that.
 
@@ -59,6 +62,9 @@ class ColumnSpec:
     distinct: tuple | None = None
     max_imbalance: float | None = None     # most / least frequent value count (label balance);
                                            # counts that differ by at most one always pass
+    min_len: int | None = None             # list columns: every list holds at least this many
+    elements: "ColumnSpec | None" = None   # list columns: rules for the values inside the lists
+                                           # (reported as column '<name>[]')
 
 
 @dataclass(frozen=True)
@@ -118,18 +124,11 @@ def _gx() -> dict[str, Any]:
     return _GX
 
 
-def _pandas_dtype_name(dtype: Any) -> str:
-    import polars as pl
-
-    return str(pl.DataFrame(schema={"c": dtype}).to_pandas().dtypes["c"])
-
-
 # Failure order in messages: the most basic broken rule first.
 _RULES = {  # GE expectation type -> (rule name, priority)
     "expect_column_to_exist": ("column exists", 0),
     "expect_table_row_count_to_be_between": ("row count", 1),
     "expect_column_values_to_not_be_null": ("not null", 2),
-    "expect_column_values_to_be_of_type": ("dtype", 3),
     "expect_column_values_to_be_unique": ("unique", 4),
     "expect_column_values_to_be_between": ("value range", 5),
     "expect_column_values_to_be_in_set": ("value set", 6),
@@ -145,9 +144,7 @@ def build_suite(spec: FrameSpec, name: str) -> Any:
     suite.add_expectation(gxe.ExpectTableRowCountToBeBetween(min_value=spec.min_rows))
     for col, rules in spec.columns.items():
         suite.add_expectation(gxe.ExpectColumnToExist(column=col))
-        if rules.dtype is not None:
-            suite.add_expectation(gxe.ExpectColumnValuesToBeOfType(
-                column=col, type_=_pandas_dtype_name(rules.dtype)))
+        # no GE type check: check_schema compared the exact polars dtypes already
         if not rules.nullable:
             suite.add_expectation(gxe.ExpectColumnValuesToNotBeNull(column=col))
         if rules.unique:
@@ -245,11 +242,25 @@ def validate_frame(df: pl.DataFrame, expectations: FrameSpec, name: str) -> dict
                  "validation: %s)", name, evaluated, df.height, marker.name[:12])
         return {"success": True, "evaluated": evaluated, "rows": df.height, "seconds": seconds,
                 "cached": True}
+    result = _run_suite(df, expectations, name)
+    _check_balance(df, expectations, name)
+    evaluated = len(result.results) + _check_lists(df, expectations, name)
+    seconds = time.perf_counter() - started
+    log.info("%s: %d expectations passed on %d rows in %.3fs", name, evaluated, df.height,
+             seconds)
+    if marker is not None:
+        _remember(marker, f"{evaluated} {name}\n")
+    return {"success": True, "evaluated": evaluated, "rows": df.height,
+            "seconds": seconds, "cached": False, "result": result.describe_dict()}
+
+
+def _run_suite(df: pl.DataFrame, spec: FrameSpec, name: str) -> Any:
+    """GE's validation result of `spec` on `df`; a DataValidationError listing every failure,
+    the most basic first."""
     g = _gx()
-    suite = build_suite(expectations, name)
+    suite = build_suite(spec, name)
     batch = g["batch_definition"].get_batch(batch_parameters={"dataframe": df.to_pandas()})
     result = batch.validate(suite)
-    seconds = time.perf_counter() - started
     failures = sorted((r for r in result.results if not r.success),
                       key=lambda r: _RULES.get(r.expectation_config.type, ("", 99))[1])
     if failures:
@@ -261,13 +272,33 @@ def validate_frame(df: pl.DataFrame, expectations: FrameSpec, name: str) -> dict
             lines.append(f"  {where}: rule {rul!r} failed: {detail}")
         log.error("%s", "\n".join(lines))
         raise DataValidationError("\n".join(lines), source=name, column=column, rule=rule)
-    _check_balance(df, expectations, name)
-    log.info("%s: %d expectations passed on %d rows in %.3fs", name, len(result.results),
-             df.height, seconds)
-    if marker is not None:
-        _remember(marker, f"{len(result.results)} {name}\n")
-    return {"success": True, "evaluated": len(result.results), "rows": df.height,
-            "seconds": seconds, "cached": False, "result": result.describe_dict()}
+    return result
+
+
+def _check_lists(df: pl.DataFrame, spec: FrameSpec, name: str) -> int:
+    """List columns: each list's length, then the values inside all lists, as column '<name>[]'
+    (a NaN score inside a list is as bad as one in a plain column). Returns rules evaluated."""
+    import polars as pl
+
+    evaluated = 0
+    for col, rules in spec.columns.items():
+        if rules.min_len is not None:
+            evaluated += 1
+            lengths = df[col].list.len()
+            short = df.filter(lengths < rules.min_len)
+            if short.height:
+                raise DataValidationError(
+                    f"{name}: column {col!r}: rule 'list length' failed: {short.height} of "
+                    f"{df.height} lists hold fewer than {rules.min_len} values (lengths "
+                    f"{sorted(set(lengths.filter(lengths < rules.min_len).to_list()))[:5]})",
+                    source=name, column=col, rule="list length")
+        if rules.elements is not None:
+            inner = df.select(pl.col(col).explode(empty_as_null=False, keep_nulls=False)
+                              .alias(f"{col}[]"))
+            inner_spec = FrameSpec({f"{col}[]": rules.elements}, min_rows=0)
+            check_schema(inner.schema, inner_spec, name)
+            evaluated += len(_run_suite(inner, inner_spec, name).results)
+    return evaluated
 
 
 def _remember(marker: Path, text: str) -> None:

@@ -140,15 +140,17 @@ def curriculum_rl(cfg: Config, start: Path, rows: list[dict[str, Any]],
                      "frac_reward_zero_std": _mean(trace["zero_std"]),
                      **evaluate(model, tokenizer, test_rows, cfg.max_new_tokens,
                                 cfg.gen_batch_size),
-                     "unique_items": float(len(seen)), "select_seconds": select_seconds,
-                     "round_seconds": time.perf_counter() - started}
+                     "unique_items": float(len(seen))}
             curve.append(point)
+            # wall times go to MLflow only: the curve is a DVC output, same inputs -> same bytes
+            times = {"select_seconds": select_seconds,
+                     "round_seconds": time.perf_counter() - started}
             if log:
-                log({k: v for k, v in point.items() if math.isfinite(v)}, r * steps)
+                log({k: v for k, v in (point | times).items() if math.isfinite(v)}, r * steps)
             print(f"{name} seed {seed} round {r}: acc {point['acc']:.3f}, reward "
                   f"{point['train_reward']:.3f}, zero-std groups "
                   f"{point['frac_reward_zero_std']:.2f}, noisy {stats['noisy_frac']:.3f}, "
-                  f"round {point['round_seconds']:.1f}s", flush=True)
+                  f"round {times['round_seconds']:.1f}s", flush=True)
         io.save_model(model, tokenizer, out_dir)
     return curve, picks
 

@@ -215,14 +215,16 @@ def curriculum_sft(cfg: Config, start: Path, rows: list[dict[str, Any]],
         point = {"round": float(r), "sft_steps": float(r * cfg.steps_per_round),
                  "train_loss": float(train["train_loss"]), **stats,
                  **evaluate(model, tokenizer, test_rows, cfg.max_new_tokens, cfg.gen_batch_size),
-                 "unique_items": float(len(seen)), "select_seconds": select_seconds,
-                 "round_seconds": time.perf_counter() - started}
+                 "unique_items": float(len(seen))}
         curve.append(point)
+        # wall times go to MLflow only: the curve is a DVC output, same inputs -> same bytes
+        times = {"select_seconds": select_seconds, "round_seconds": time.perf_counter() - started}
         if log:
-            log({k: v for k, v in point.items() if math.isfinite(v)}, r * cfg.steps_per_round)
+            log({k: v for k, v in (point | times).items() if math.isfinite(v)},
+                r * cfg.steps_per_round)
         print(f"{name} seed {seed} round {r}: acc {point['acc']:.3f} (x: {point['acc_mul']:.3f})"
               f", noisy {stats['noisy_frac']:.3f}, x-share {stats['mul_share']:.2f}, "
-              f"select {select_seconds:.1f}s, round {point['round_seconds']:.1f}s", flush=True)
+              f"select {select_seconds:.1f}s, round {times['round_seconds']:.1f}s", flush=True)
     model.eval()
     io.save_model(model, tokenizer, out_dir)
     return curve, picks

@@ -212,13 +212,33 @@ def pool_summary(frame: Any) -> dict[str, float]:
 
 # --- the stage -------------------------------------------------------------------------------
 
-def _load_arm(folder: Path, arm: str) -> tuple[Any, dict[str, Any]]:
+def curve_spec(kind: str) -> Any:
+    """What run() reads from an arm's curve.parquet. Self-training (`self`): per seed and round
+    the accuracies (never NaN) and the pool statistics (null on round 0, before any pool; tokens
+    per solved query NaN when nothing is solved). RL (`rl`): the seeds only (its policies are
+    evaluated here)."""
     import polars as pl
 
-    if not (folder / "curve.parquet").is_file() or not (folder / "budget.json").is_file():
-        raise FileNotFoundError(f"{folder}: no curve.parquet/budget.json; run stage {arm!r}")
-    return pl.read_parquet(folder / "curve.parquet"), json.loads((folder / "budget.json")
-                                                                .read_text())
+    from stages.core.checks import ColumnSpec, FrameSpec
+
+    cols = {"seed": ColumnSpec(dtype=pl.Int64)}
+    if kind == "self":
+        share = ColumnSpec(dtype=pl.Float64, min=0.0, max=1.0)
+        maybe = ColumnSpec(dtype=pl.Float64, nullable=True)
+        cols |= {"round": ColumnSpec(dtype=pl.Float64, min=0), "acc": share, "hard_acc": share,
+                 **{k: maybe for k in ("tokens_per_solved", "verbose_share", "pool_hard_share",
+                                       "pool_size", "pool_mean_repeats", "pool_veriexit_rows",
+                                       "pool_veriexit_faithful")}}
+    return FrameSpec(cols)
+
+
+def _load_arm(folder: Path, arm: str, kind: str = "self") -> tuple[Any, dict[str, Any]]:
+    from stages.core.checks import read_parquet_checked
+
+    if not (folder / "budget.json").is_file():
+        raise FileNotFoundError(f"{folder}: no budget.json; run stage {arm!r}")
+    return (read_parquet_checked(folder / "curve.parquet", curve_spec(kind)),
+            json.loads((folder / "budget.json").read_text()))
 
 
 def _plot_rounds(mean_curve: Any, path: Path) -> None:
@@ -328,7 +348,7 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     if cfg.rl_arms:
         rl_budgets, rl_finals, rl_seeds = {}, {}, {}
         for arm in cfg.rl_arms:
-            curve, rl_budgets[arm] = _load_arm(runs / arm, arm)
+            curve, rl_budgets[arm] = _load_arm(runs / arm, arm, "rl")
             values: dict[str, list[float]] = {k: [] for k in ("acc", "hard_acc",
                                                               "tokens_per_solved",
                                                               "verbose_share")}

@@ -279,11 +279,12 @@ def self_train(cfg: Config, start: Path, train_rows: list[dict[str, Any]],
         point = {"round": float(t), "rollouts": float(rollouts), "sft_steps": float(steps),
                  "tau": math.nan if tau is None else float(tau), **stats,
                  **eval_splits(model, tokenizer, eval_sets, cfg.family, cfg.max_new_tokens,
-                               cfg.gen_batch_size),
-                 "round_seconds": time.perf_counter() - started}
+                               cfg.gen_batch_size)}
         curve.append(point)
+        # the wall time goes to MLflow only: the curve is a DVC output (same inputs, same bytes)
         if log:
-            log({k: v for k, v in point.items() if math.isfinite(v)}, t * cfg.sft_steps_per_round)
+            log({k: v for k, v in point.items() if math.isfinite(v)}
+                | {"round_seconds": time.perf_counter() - started}, t * cfg.sft_steps_per_round)
         print(f"{name} seed {seed} round {t}: pool {len(pool)}, "
               f"acc {point['acc']:.3f}, hard {point['hard_acc']:.3f}, "
               f"tokens/solved {point['tokens_per_solved']:.1f}", flush=True)

@@ -30,6 +30,26 @@ import polars as pl
 from pydantic import BaseModel, ConfigDict, Field
 
 from stages.core import io
+from stages.models import rollouts as rollouts_stage
+
+SCHEMA: dict[str, Any] = {**rollouts_stage.SCHEMA, "mc_scores": pl.List(pl.Float64),
+                          "mc_labels": pl.List(pl.Boolean)}
+
+
+def expectations() -> Any:
+    """The annotated pool as its readers (select, train_prm) rely on it: a rollouts file plus one
+    MC score in [0, 1] (never NaN) and one hard label per step."""
+    from dataclasses import replace
+
+    from stages.core.checks import ColumnSpec
+
+    spec = rollouts_stage.expectations()
+    return replace(spec, columns={
+        **spec.columns,
+        "mc_scores": ColumnSpec(dtype=pl.List(pl.Float64), min_len=1,
+                                elements=ColumnSpec(dtype=pl.Float64, min=0.0, max=1.0)),
+        "mc_labels": ColumnSpec(dtype=pl.List(pl.Boolean), min_len=1,
+                                elements=ColumnSpec(dtype=pl.Boolean))})
 
 
 class Config(BaseModel):
@@ -87,14 +107,12 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     from stages.models.generate import generate, load_model
     from stages.tasks import get_family
 
+    from stages.core.checks import read_parquet_checked
+
     family = get_family(cfg.family)
-    path = ctx.path(cfg.rollouts) / "train.parquet"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no rollouts; run the `rollouts` stage first")
-    df = pl.read_parquet(path)
+    df = read_parquet_checked(ctx.path(cfg.rollouts) / "train.parquet",
+                              rollouts_stage.expectations())
     rollouts = df.to_dicts()
-    if not rollouts:
-        raise ValueError(f"{path}: no rollouts to annotate")
     prefixes = step_prefixes(rollouts)
     # Which prefix texts to continue: one per (problem, text) when shared, else one per step.
     keys = [[(r["problem_id"], p) if cfg.share_prefixes else (r["rollout_id"], j)

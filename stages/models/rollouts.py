@@ -37,6 +37,19 @@ SCHEMA: dict[str, Any] = {
 }
 
 
+def expectations() -> Any:
+    """What every reader of a rollouts file relies on: SCHEMA, no nulls (also inside the lists),
+    unique rollout ids, at least one step per rollout (the stage drops step-less ones) and
+    one step end and one label per step (checked in the stages that zip them)."""
+    from stages.core.checks import ColumnSpec, spec_from_schema
+
+    return spec_from_schema(
+        SCHEMA, rollout_id={"unique": True},
+        steps={"min_len": 1, "elements": ColumnSpec(dtype=pl.String)},
+        step_ends={"min_len": 1, "elements": ColumnSpec(dtype=pl.Int64, min=0)},
+        step_correct={"min_len": 1, "elements": ColumnSpec(dtype=pl.Boolean)})
+
+
 class Config(BaseModel):
     model_config = ConfigDict(extra="forbid")
 

@@ -209,14 +209,39 @@ def check_same_cover(sels: dict[str, pl.DataFrame]) -> None:
                 f"{', '.join(sels)} with the same seeds and max_problems")
 
 
+def selections_spec() -> Any:
+    """A selector's picks (stages.proofverify.select SELECTIONS): one per (seed, problem),
+    counts never negative."""
+    from stages.core.checks import spec_from_schema
+    from stages.proofverify.select import SELECTIONS
+
+    return spec_from_schema(SELECTIONS, **{k: {"min": 0} for k, t in SELECTIONS.items()
+                                           if t == pl.Int64 and k != "seed"})
+
+
+def games_spec() -> Any:
+    """Knockout games (stages.proofverify.select GAMES); `choice` None = an unparseable reply
+    (the game's `winner_id` is then the fallback pick)."""
+    from dataclasses import replace
+
+    from stages.core.checks import spec_from_schema
+    from stages.proofverify.select import GAMES
+
+    spec = spec_from_schema(GAMES, round={"min": 0}, choice={"values": [0, 1]})
+    spec.columns["choice"] = replace(spec.columns["choice"], nullable=True)
+    return spec
+
+
 def run(cfg: Config, ctx: Any) -> dict[str, float]:
     from stages.core.checks import read_parquet_checked
     from stages.proofverify.candidates import expectations
+    from stages.proofverify.select import _votes_spec as votes_spec
 
     cands = read_parquet_checked(ctx.path(cfg.candidates) / "test.parquet", expectations("test"))
     # hybrid_lenient's stage writes method = hybrid: every arm is labelled by where it came from
-    sels = [pl.read_parquet(ctx.path(getattr(cfg, a)) / "selections.parquet")
-            .with_columns(pl.lit(a).alias("method")) for a in SELECTORS]
+    sels = [read_parquet_checked(ctx.path(getattr(cfg, a)) / "selections.parquet",
+                                 selections_spec()).with_columns(pl.lit(a).alias("method"))
+            for a in SELECTORS]
     check_same_cover(dict(zip(SELECTORS, sels)))
     seeds = sorted(set(sels[0]["seed"].to_list()))
     used = set(sels[0]["problem_id"].to_list())
@@ -226,11 +251,11 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     sel = pl.concat([s.select(cols) for s in sels]
                     + [base.select(cols).cast({"calls": pl.Int64, "parse_failures": pl.Int64})])
     m = arm_metrics(sel, cands)
-    votes = pl.read_parquet(ctx.path(cfg.judge) / "votes.parquet")
+    votes = read_parquet_checked(ctx.path(cfg.judge) / "votes.parquet", votes_spec())
     m |= judge_metrics(votes, cands, cfg.per_side)
     for arm in ("genselect", "hybrid", "hybrid_lenient"):
-        m |= selector_metrics(pl.read_parquet(ctx.path(getattr(cfg, arm)) / "games.parquet"),
-                              cands, arm)
+        m |= selector_metrics(read_parquet_checked(ctx.path(getattr(cfg, arm)) / "games.parquet",
+                                                   games_spec()), cands, arm)
     per = cands.group_by("problem_id").agg(pl.col("valid").any(), pl.col("answer_correct").any(),
                                            pl.col("valid").mean().alias("p1"))
     m |= {"oracle/proof_acc": float(per["valid"].mean()),

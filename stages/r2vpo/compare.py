@@ -173,18 +173,17 @@ def llm_claims(curves: dict[str, dict[int, list[tuple[float, float]]]], level: f
 def _load_curves(runs: Path, arms: list[str]) -> tuple[dict, dict, Any]:
     import polars as pl
 
+    from stages.core.checks import read_parquet_checked
+
+    spec = curve_spec()
     curves: dict[str, dict[int, list[tuple[float, float]]]] = {}
     budgets: dict[str, dict[str, Any]] = {}
     frames = []
     for arm in arms:
         folder = runs / arm
-        if not (folder / "curve.parquet").is_file() or not (folder / "budget.json").is_file():
-            raise FileNotFoundError(f"{folder}: no curve.parquet/budget.json; run stage {arm!r}")
-        df = pl.read_parquet(folder / "curve.parquet")
-        missing = {"seed", "rollouts", "eval_acc"} - set(df.columns)
-        if missing or df.is_empty():
-            raise ValueError(f"{folder / 'curve.parquet'}: missing columns {sorted(missing)} "
-                             f"or no rows")
+        if not (folder / "budget.json").is_file():
+            raise FileNotFoundError(f"{folder}: no budget.json; run stage {arm!r}")
+        df = read_parquet_checked(folder / "curve.parquet", spec)
         budgets[arm] = json.loads((folder / "budget.json").read_text())
         frames.append(df.with_columns(pl.lit(arm).alias("arm")))
         curves[arm] = {int(seed): sorted(zip(g["rollouts"].to_list(), g["eval_acc"].to_list()))
@@ -265,8 +264,36 @@ def control_claims(lasts: dict[tuple[str, str], dict[int, float]], method: str,
     return out
 
 
+def curve_spec() -> Any:
+    """An LLM arm's curve.parquet (stages.train.grpo), one row per evaluation point of a seed:
+    what the summaries rely on."""
+    import polars as pl
+
+    from stages.core.checks import ColumnSpec, FrameSpec
+
+    return FrameSpec({"seed": ColumnSpec(dtype=pl.Int64),
+                      "round": ColumnSpec(dtype=pl.Float64, min=0),
+                      "rollouts": ColumnSpec(dtype=pl.Float64, min=0),
+                      "eval_acc": ColumnSpec(dtype=pl.Float64, min=0.0, max=1.0)})
+
+
+def control_spec() -> Any:
+    """The control curves (stages.r2vpo.control) as the summaries read them: per env, arm, seed
+    and env step the dense return (never NaN); the diagnostics columns are not read here."""
+    import polars as pl
+
+    from stages.core.checks import ColumnSpec, FrameSpec
+
+    return FrameSpec({"env": ColumnSpec(dtype=pl.String), "arm": ColumnSpec(dtype=pl.String),
+                      "seed": ColumnSpec(dtype=pl.Int64),
+                      "env_steps": ColumnSpec(dtype=pl.Int64, min=0),
+                      "dense_return": ColumnSpec(dtype=pl.Float64)})
+
+
 def run(cfg: Config, ctx: Any) -> dict[str, float]:
     import polars as pl
+
+    from stages.core.checks import read_parquet_checked
 
     curves, budgets, frame = _load_curves(ctx.path(cfg.runs), cfg.arms)
     check_budgets(budgets, BUDGET_KEYS)
@@ -279,7 +306,7 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
                   .sort(["arm", "rollouts"]))
     control = None
     if cfg.control:
-        control = pl.read_parquet(ctx.path(cfg.control))
+        control = read_parquet_checked(ctx.path(cfg.control), control_spec())
         metrics.update(control_summary(control))
         metrics.update(control_claims(control_last10(control), cfg.control_method,
                                       cfg.control_baseline))

@@ -34,7 +34,10 @@ from stages.train import grpo
 # Per-seed results kept in finals.parquet (and averaged into the metrics), in this order.
 SCORES = ("acc", "trace", "len", "empty_set_rate")
 FINALS = (*(f"initial_{k}" for k in SCORES), *(f"final_{k}" for k in SCORES),
-          "train_seconds", "steps", "rollouts")
+          "steps", "rollouts")
+# Wall times: averaged into the metrics only (each seed's own is in its MLflow run), never in
+# finals.parquet, a DVC output that must be the same bytes for the same inputs.
+TIMES = ("train_seconds",)
 
 
 class Config(grpo.GRPOArm):
@@ -160,6 +163,9 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     metrics: dict[str, float] = {}
     for key in FINALS:
         metrics[f"{key}_mean"], metrics[f"{key}_std"] = mean_std([r[key] for r in rows])
+    for key in TIMES:
+        metrics[f"{key}_mean"], metrics[f"{key}_std"] = mean_std(
+            [results[seed]["metrics"][key] for seed in cfg.seeds])
     metrics["seeds"] = float(len(cfg.seeds))
     metrics["trace_weight"] = cfg.trace_weight
     return metrics

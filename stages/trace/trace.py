@@ -227,6 +227,12 @@ class ClassifierTagger:
         return cls(blob["pipeline"], blob["threshold"])
 
     def save(self, folder: str | Path) -> None:
+        """Same fitted tagger, same bytes (a DVC output compared by hash): sklearn's
+        vectorizers cache `_stop_words_id`, the memory address of their `stop_words`, which
+        differs in every process; it is only a cache (recomputed when missing), so it is left
+        out of the file."""
+        for _, step in _estimators(self.pipeline):
+            step.__dict__.pop("_stop_words_id", None)
         with (Path(folder) / self.FILE).open("wb") as f:
             pickle.dump({"pipeline": self.pipeline, "threshold": self.threshold}, f)
 
@@ -239,6 +245,14 @@ class ClassifierTagger:
         p = self.proba(sentences)
         return [frozenset(LABELS[j] for j in range(len(LABELS)) if row[j] >= self.threshold)
                 for row in p]
+
+
+def _estimators(obj: Any) -> Iterable[tuple[str, Any]]:
+    """Every estimator nested in a sklearn Pipeline / FeatureUnion (depth first), with itself."""
+    yield "", obj
+    for name, child in getattr(obj, "steps", None) or getattr(obj, "transformer_list", None) or []:
+        for sub, est in _estimators(child):
+            yield f"{name}.{sub}".rstrip("."), est
 
 
 class LLMTagger:

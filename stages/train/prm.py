@@ -36,6 +36,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from stages.core import io
 
 IGNORE = -100
+# The selected subsets train_prm reads (written by the BIS `select` stage): one row per kept rollout.
+SUBSETS_SCHEMA = {"arm": pl.String, "seed": pl.Int64, "rollout_id": pl.String}
 
 
 # --- data --------------------------------------------------------------------------------------------
@@ -339,12 +341,23 @@ class Config(PRMParams):
 
 
 def run(cfg: Config, ctx: Any) -> dict[str, float]:
+    from stages.core.checks import DataValidationError, read_parquet_checked, spec_from_schema
+    from stages.models import mc_annotate, rollouts
     from stages.models.base import set_threads
 
-    pool = pl.read_parquet(ctx.path(cfg.mc_labels) / "train.parquet")
-    subsets = pl.read_parquet(ctx.path(cfg.subsets) / "subsets.parquet")
-    bench_path = ctx.path(cfg.benchmark) / "test.parquet"
-    val_rows, _ = benchmark_split(pl.read_parquet(bench_path).to_dicts(), cfg.val_share)
+    pool = read_parquet_checked(ctx.path(cfg.mc_labels) / "train.parquet",
+                                mc_annotate.expectations())
+    subsets_path = ctx.path(cfg.subsets) / "subsets.parquet"
+    subsets = read_parquet_checked(subsets_path, spec_from_schema(SUBSETS_SCHEMA))
+    unknown = sorted(set(subsets["rollout_id"].to_list()) - set(pool["rollout_id"].to_list()))
+    if unknown:
+        raise DataValidationError(
+            f"{subsets_path}: column 'rollout_id': rule 'known rollout' failed: {len(unknown)} "
+            f"ids are not in {cfg.mc_labels}/train.parquet, e.g. {unknown[:3]}",
+            source=str(subsets_path), column="rollout_id", rule="known rollout")
+    bench = read_parquet_checked(ctx.path(cfg.benchmark) / "test.parquet",
+                                 rollouts.expectations())
+    val_rows, _ = benchmark_split(bench.to_dicts(), cfg.val_share)
     arms = list(dict.fromkeys(subsets["arm"].to_list()))
     unknown = [a for a in cfg.register_arms if a not in arms]
     if unknown:

@@ -1,0 +1,53 @@
+"""Every table a stage reads goes through the checked loader (stages/core/checks.py
+`read_parquet_checked`), so a bad input is a DataValidationError naming the file and the rule.
+This scans the stage code for plain reads (an AST walk, like test_layout's import rules): a
+`pl.read_parquet`, `scan_parquet`, `read_csv`, ... anywhere under stages/ but the loader fails it."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+LOADER = "stages/core/checks.py"  # the one place allowed to read a table file directly
+READERS = {f"{verb}_{fmt}" for verb in ("read", "scan")
+           for fmt in ("parquet", "csv", "ndjson", "json", "ipc", "delta", "excel", "avro",
+                       "table", "feather", "pickle", "database")} | {"ParquetFile"}
+
+
+def plain_reads(root: Path) -> list[str]:
+    """`path:line: call` for every direct table read in root/stages outside the loader."""
+    found = []
+    for path in sorted((root / "stages").rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel == LOADER:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=rel)):
+            name = None
+            if isinstance(node, ast.Call):
+                func = node.func
+                name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            elif isinstance(node, ast.ImportFrom):  # `from polars import read_parquet`
+                name = next((a.name for a in node.names if a.name in READERS), None)
+            if name in READERS:
+                found.append(f"{rel}:{node.lineno}: {name}")
+    return found
+
+
+def test_stage_code_reads_tables_only_through_the_checked_loader():
+    assert plain_reads(REPO) == [], (
+        "read these through stages.core.checks.read_parquet_checked(path, spec) with a spec of "
+        "what the code relies on")
+
+
+def test_the_scan_finds_a_planted_plain_read(tmp_path: Path):
+    pkg = tmp_path / "stages" / "demo"
+    pkg.mkdir(parents=True)
+    (pkg / "a.py").write_text("import polars as pl\n\ndef run(p):\n"
+                              "    return pl.read_parquet(p), pl.scan_csv(p)\n")
+    (pkg / "b.py").write_text("from polars import read_parquet\n")
+    (tmp_path / "stages" / "core").mkdir()
+    (tmp_path / "stages" / "core" / "checks.py").write_text("pl.read_parquet(p)\n")
+    assert plain_reads(tmp_path) == ["stages/demo/a.py:4: read_parquet",
+                                     "stages/demo/a.py:4: scan_csv",
+                                     "stages/demo/b.py:1: read_parquet"]
