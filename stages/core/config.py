@@ -4,7 +4,10 @@ Layout of a params file (root `params.yaml`, and `pipelines/<slug>/params.yaml` 
 
     profile: cpu                 # smoke | cpu | gpu, a tracked DVC parameter (root file only)
     seed: 0
+    storage: {...}               # the S3 bucket (root file only, see storage.py)
     paths: {...}                 # every input/output path, declared once, interpolated into dvc.yaml
+    shared_sections: [rl_common] # sections no stage reads by name: YAML anchors merged into stages
+    rl_common: &rl {...}         # ... used as `grpo: {<<: *rl, ...}`
     <stage>: {...}               # the stage's hyperparameters (values shared by every profile)
     profiles:
       smoke: {<stage>: {...}}    # per-profile overrides of the stage's section
@@ -14,6 +17,12 @@ Layout of a params file (root `params.yaml`, and `pipelines/<slug>/params.yaml` 
 A stage's `dvc.yaml` entry lists `<stage>` and `profiles.${profile}.<stage>` under `params`, so
 switching the profile invalidates exactly the stages whose sizes depend on it.
 
+Every top-level section must be one of: a stage of the file's pipeline (the root file: the shared
+stages of the pipeline `base`), a contract section above (`profile`, `seed` and `storage` in the
+root file only), or a name listed in the file's own `shared_sections`. Anything else is a typo
+that would otherwise leave the code defaults silently in force, so it is an error with a
+suggestion; the same holds for the stage names under `profiles.<profile>`.
+
 Validation happens before any compute; a bad key fails with the file, the dotted key, the value
 and what was expected.
 """
@@ -21,6 +30,9 @@ and what was expected.
 from __future__ import annotations
 
 import difflib
+import inspect
+import types
+import typing
 from pathlib import Path
 from typing import Any, Iterable, TypeVar
 
@@ -28,6 +40,9 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 PROFILES = ("smoke", "cpu", "gpu")
+# Top-level sections the contract defines besides the stages' own (see the module docstring).
+ROOT_SECTIONS = ("profile", "seed", "storage", "paths", "shared_sections", "profiles")
+PIPELINE_SECTIONS = ("paths", "shared_sections", "profiles")
 
 T = TypeVar("T", bound=BaseModel)
 
@@ -88,6 +103,58 @@ def active_profile(root_params: dict[str, Any], source: str = "params.yaml") -> 
     return profile
 
 
+def check_sections(params: dict[str, Any], stages: Iterable[str], source: str, *,
+                   root_file: bool) -> list[str]:
+    """Errors for top-level sections (and `profiles.<profile>.<name>` keys) that no stage of the
+    file reads: a misspelled `featuresX:` would otherwise leave the code defaults in force."""
+    stages = list(stages)
+    errors: list[str] = []
+    shared = params.get("shared_sections") or []
+    if not isinstance(shared, list) or not all(isinstance(n, str) for n in shared):
+        errors.append(f"{source}: shared_sections = {shared!r}: expected a list of section names")
+        shared = []
+    contract = ROOT_SECTIONS if root_file else PIPELINE_SECTIONS
+    for name in shared:
+        if name in stages or name in ROOT_SECTIONS:
+            errors.append(f"{source}: shared_sections lists {name!r}, which is a stage or a "
+                          f"contract section, not a shared one")
+        elif name not in params:
+            errors.append(f"{source}: shared_sections lists {name!r}, but the file has no such "
+                          f"section")
+    known = [*stages, *contract, *shared]
+    for name in params:
+        if name in known:
+            continue
+        if not root_file and name in ("profile", "seed", "storage"):
+            errors.append(f"{source}: {name!r} is set in the root params.yaml only (a pipeline's "
+                          f"file cannot override it); from this folder: "
+                          f"dvc exp run -S ../../params.yaml:{name}=<value>")
+            continue
+        hint = did_you_mean(str(name), known, "section")
+        errors.append(f"{source}: {hint} A section that no stage reads by its name (a YAML "
+                      f"anchor) must be listed in `shared_sections`.")
+    profiles = params.get("profiles") or {}
+    if not isinstance(profiles, dict):
+        return [*errors, f"{source}: profiles = {profiles!r}: expected a mapping "
+                         f"profile -> stage -> settings"]
+    for profile, overrides in profiles.items():
+        if profile not in PROFILES:
+            hint = did_you_mean(str(profile), PROFILES, "profile")
+            errors.append(f"{source}: profiles.{profile}: {hint}")
+            continue
+        if not isinstance(overrides, dict):
+            if overrides is not None:
+                errors.append(f"{source}: profiles.{profile} = {overrides!r}: expected a mapping "
+                              f"stage -> settings")
+            continue
+        for name in overrides:
+            if name not in stages:
+                hint = did_you_mean(str(name), stages, "stage")
+                errors.append(f"{source}: profiles.{profile}.{name}: {hint} Profile overrides "
+                              f"apply to stage sections only.")
+    return errors
+
+
 def section_for(params: dict[str, Any], section: str, profile: str, source: str) -> dict[str, Any]:
     """The stage's section with the active profile's overrides applied."""
     base = params.get(section, {})
@@ -131,14 +198,59 @@ def validate_section(model: type[T], params: dict[str, Any], section: str, profi
     except ValidationError as exc:
         # Name unknown keys with their close matches: the commonest slip is a typo.
         msg = format_validation_error(exc, section, values, source, profile)
-        fields = list(model.model_fields)
-        extra = [str(e["loc"][0]) for e in exc.errors() if e["type"] == "extra_forbidden" and e["loc"]]
-        for name in extra:
-            close = difflib.get_close_matches(name, fields, n=1, cutoff=0.6)
+        # An unknown key inside a nested model or a list item is compared with that item's own
+        # fields (`arms.5.tau` -> `tau_r`), not with the stage's top-level keys.
+        for err in exc.errors():
+            if err["type"] != "extra_forbidden" or not err["loc"]:
+                continue
+            *parent, name = [str(p) for p in err["loc"]]
+            owner = model_at(model, err["loc"][:-1])
+            if owner is None:
+                continue
+            close = difflib.get_close_matches(name, list(owner.model_fields), n=1, cutoff=0.6)
             if close:
-                msg += f"\n  did you mean {section}.{close[0]!r} instead of {name!r}?"
-        msg += f"\n  known keys of {section!r}: {', '.join(fields)}"
+                where = ".".join([section, *parent])
+                msg += (f"\n  did you mean {close[0]!r} ({where}.{close[0]}) instead of "
+                        f"{name!r}?")
+            if parent:
+                msg += (f"\n  known keys of {'.'.join([section, *parent])}: "
+                        f"{', '.join(owner.model_fields)}")
+        msg += f"\n  known keys of {section!r}: {', '.join(model.model_fields)}"
         raise ParamsError(msg) from None
+
+
+def model_at(model: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The pydantic model that holds the key at `loc` (a validation error's location minus its
+    last part): follows fields, list/tuple items, dict values and Optional; None if ambiguous."""
+    node: Any = model
+    for part in loc:
+        node = _strip(node)
+        if inspect.isclass(node) and issubclass(node, BaseModel):
+            if not isinstance(part, str) or part not in node.model_fields:
+                return None
+            node = node.model_fields[part].annotation
+            continue
+        origin, args = typing.get_origin(node), typing.get_args(node)
+        if origin in (list, tuple, set, frozenset) and args and isinstance(part, int):
+            node = args[0]
+        elif origin is dict and len(args) == 2:
+            node = args[1]
+        else:
+            return None
+    node = _strip(node)
+    return node if inspect.isclass(node) and issubclass(node, BaseModel) else None
+
+
+def _strip(annotation: Any) -> Any:
+    """`X | None`, `Optional[X]` and `Annotated[X, ...]` -> X; other unions stay as they are."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return _strip(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(args) == 1:
+            return _strip(args[0])
+    return annotation
 
 
 def resolve_paths(paths: dict[str, Any], base_dir: Path, source: str) -> dict[str, Path]:

@@ -14,6 +14,7 @@ from . import io
 from .config import (
     ParamsError,
     active_profile,
+    check_sections,
     did_you_mean,
     find_root,
     read_yaml,
@@ -59,18 +60,33 @@ def load_module(pipeline: str, stage: str) -> ModuleType:
 
 
 def load_params(root: Path, pipeline: str) -> tuple[dict[str, Any], dict[str, Any], str]:
-    """(root params, pipeline params merged over root params, source label)."""
+    """(root params, pipeline params merged over root params, source label).
+
+    A top-level section that no stage reads (a typo such as `featuresX:`) fails here, blamed on
+    the file that holds it: the root params.yaml or the pipeline's own.
+    """
     root_params = read_yaml(root / "params.yaml")
+    errors = check_sections(root_params, stage_modules("base"), "params.yaml", root_file=True)
     pdir = pipeline_dir(root, pipeline)
     if pdir == root:
-        return root_params, root_params, "params.yaml"
-    own = read_yaml(pdir / "params.yaml") if (pdir / "params.yaml").is_file() else {}
+        own, source = {}, "params.yaml"
+    else:
+        source = str((pdir / "params.yaml").relative_to(root))
+        own = read_yaml(pdir / "params.yaml") if (pdir / "params.yaml").is_file() else {}
+        from stages.registry import STAGES
+
+        if pipeline in STAGES:  # a folder not yet registered has no stage names to check against
+            errors += check_sections(own, STAGES[pipeline], source, root_file=False)
+    if errors:
+        raise ParamsError("\n".join(errors))
+    if pdir == root:
+        return root_params, root_params, source
     merged = dict(root_params)
     for key, value in own.items():
         if key == "paths":
             continue  # pipeline paths are resolved against the pipeline folder, below
         merged[key] = value
-    return root_params, merged, str((pdir / "params.yaml").relative_to(root))
+    return root_params, merged, source
 
 
 def build_context(root: Path, pipeline: str, stage: str) -> tuple[Context, dict[str, Any], str]:
@@ -118,9 +134,13 @@ def check_device_env(environ: Any = os.environ) -> None:
 
 
 def validate_pipeline(pipeline: str, params: dict[str, Any], profile: str, source: str, *,
-                      check_device: bool = True) -> dict:
+                      check_device: bool = True, root: Path | None = None) -> dict:
     """Validate every stage's section of the pipeline (and $PAPERLINE_DEVICE, unless the stages
-    run on other machines); returns stage -> config."""
+    run on other machines); returns stage -> config.
+
+    With `root`, a stage of `base` validates every registered pipeline's params too: `dvc repro`
+    of a paper's pipeline runs the shared stages (tasks, tokenizer, base) first, and a typo in the
+    paper's params must fail before them, not after the base model has trained."""
     if check_device:
         check_device_env()
     configs = {}
@@ -131,6 +151,18 @@ def validate_pipeline(pipeline: str, params: dict[str, Any], profile: str, sourc
             configs[name] = validate_section(module.Config, params, name, profile, source)
         except ParamsError as exc:
             errors.append(str(exc))
+    if root is not None and pipeline == "base":
+        from stages.registry import STAGES
+
+        for other in pipeline_dirs(root):
+            if other == "base" or other not in STAGES:
+                continue  # an unregistered folder's stages cannot run `python -m stages` anyway
+            try:
+                _, other_params, other_source = load_params(root, other)
+                validate_pipeline(other, other_params, profile, other_source, check_device=False)
+            except ParamsError as exc:
+                errors.append(f"(pipeline {other!r}, checked by the shared stages every pipeline "
+                              f"runs first)\n{exc}")
     if errors:
         raise ParamsError("\n".join(errors))
     return configs
@@ -141,7 +173,7 @@ def run_stage(pipeline: str, stage: str, *, check_only: bool = False,
     root = root or find_root()
     module = load_module(pipeline, stage)  # unknown names fail here, with a suggestion
     ctx, params, source = build_context(root, pipeline, stage)
-    configs = validate_pipeline(pipeline, params, ctx.profile, source)
+    configs = validate_pipeline(pipeline, params, ctx.profile, source, root=root)
     cfg = configs[stage]
     if check_only:
         print(f"{pipeline}: params of {len(configs)} stages are valid (profile {ctx.profile})")
