@@ -118,12 +118,9 @@ def cmd_repro(args: argparse.Namespace) -> int:
     pipelines = _pipelines(root, args.pipeline, args.all)
     for p in pipelines:  # every params error surfaces before any compute
         _check(root, p)
-    if not os.environ.get("MLFLOW_TRACKING_URI"):
-        from flows import stack
+    from flows import stack
 
-        if url := stack.mlflow_url(root):  # `paperline stack up`: runs show in its MLflow UI
-            os.environ["MLFLOW_TRACKING_URI"] = url
-            print(f"using the stack's MLflow server {url}")
+    stack.use_tracking(root)  # `paperline stack up`: through its server (the same store)
     from stages.core.tracking import list_gaps, sync_gaps
 
     if list_gaps(root):  # stages that ran while MLflow was down: replay them first
@@ -205,7 +202,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     from flows.results import compare
 
+    from flows import stack
+
     root = _root()
+    stack.use_tracking(root, quiet=True)
     table, written = compare(root, _pipelines(root, args.pipeline, False)[0])
     print(table)
     print("saved: " + ", ".join(str(p.relative_to(root)) for p in written))
@@ -276,9 +276,11 @@ def cmd_stack(args: argparse.Namespace) -> int:
 
 def cmd_tracking(args: argparse.Namespace) -> int:
     """MLflow tracking gaps (stages that ran while MLflow was unreachable): list or replay."""
+    from flows import stack
     from stages.core import tracking
 
     root = _root()
+    stack.use_tracking(root, quiet=True)  # where `paperline repro` logs (and so its gaps)
     if args.action == "gaps":
         gaps = tracking.list_gaps(root)
         for path, gap in gaps:
