@@ -78,6 +78,39 @@ def results_table(root: Path, pipeline: str) -> str:
     return getattr(importlib.import_module(module), func)(metrics)
 
 
+def results_markdown(root: Path, pipeline: str, stage_table: str | None = None) -> str:
+    """The pipeline's results table (and the run's stage table) as one markdown document."""
+    parts = [f"# {pipeline}"]
+    if stage_table:
+        parts.append(f"## Stages of this run\n\n```\n{stage_table}\n```")
+    try:
+        ctx, _, _ = build_context(root, pipeline, "report")
+        parts.append(f"## Results (profile `{ctx.profile}`)\n\n{results_table(root, pipeline)}")
+    except Exception as exc:  # e.g. a repo whose pipeline has no registered stages
+        parts.append(f"_No results table: {type(exc).__name__}: {exc}_")
+    return "\n\n".join(parts) + "\n"
+
+
+def publish_results(root: Path, pipeline: str, stage_table: str, ok: bool) -> str | None:
+    """In a Prefect flow run: its markdown artifact `<pipeline>-results` (the run's *Artifacts*
+    tab; the latest under that key on the Artifacts page). Returns the key; never fails a run."""
+    import logging
+    import re
+
+    key = re.sub(r"[^a-z0-9-]", "-", f"{pipeline}-results".lower())
+    try:
+        from prefect.artifacts import create_markdown_artifact
+
+        text = results_markdown(root, pipeline, stage_table) if ok else (
+            f"# {pipeline}\n\nThe run failed.\n\n```\n{stage_table}\n```\n")
+        create_markdown_artifact(markdown=text, key=key,
+                                 description=f"paperline pipeline {pipeline}: results")
+        return key
+    except Exception as exc:
+        logging.getLogger("paperline").warning("results artifact not published: %s", exc)
+        return None
+
+
 def readme_for(root: Path, pipeline: str) -> Path:
     d = pipeline_dirs(root)[pipeline]
     return (root / "pipelines" / "base" / "README.md") if d == root else d / "README.md"

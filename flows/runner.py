@@ -519,9 +519,21 @@ def _delete_if_empty(root: Path, parent: str | None) -> None:
 @flow(name="paperline", persist_result=False, log_prints=False)
 def pipeline_flow(pipeline: str, root: str | None = None, targets: list[str] | None = None,
                   max_parallel: int = 2, retries: int = 1, force: bool = False,
-                  gpu_slots: int | None = None) -> dict[str, Any]:
+                  gpu_slots: int | None = None, profile: str | None = None) -> dict[str, Any]:
     """Execute pipeline `pipeline` (a folder under pipelines/, or `base`) of the repo at `root`
-    (default: `PAPERLINE_ROOT`, else the working directory) as its DVC DAG; see module docstring."""
+    (default: `PAPERLINE_ROOT`, else the working directory) as its DVC DAG; see module docstring.
+
+    Args:
+        pipeline: the pipeline's slug (a folder under pipelines/, or `base`).
+        root: the repo (default: `PAPERLINE_ROOT`, else the working directory).
+        targets: only these stages of the pipeline and what they depend on (default: all).
+        max_parallel: stage processes running at once.
+        retries: attempts after a stage fails.
+        force: recompute every stage of the plan, even those DVC finds up to date.
+        gpu_slots: slots of the `paperline-gpu` limit when it is created.
+        profile: smoke, cpu or gpu, written to params.yaml first (and kept, as dvc exp run -S
+            does); empty: the profile params.yaml has.
+    """
     from prefect.runtime import flow_run
     from prefect.task_runners import ThreadPoolTaskRunner
 
@@ -532,6 +544,10 @@ def pipeline_flow(pipeline: str, root: str | None = None, targets: list[str] | N
     repo = find_root(root or os.environ.get("PAPERLINE_ROOT") or None)
     if max_parallel < 1:
         raise ValueError(f"max_parallel = {max_parallel}: expected at least 1")
+    if profile is not None:
+        from flows.deploy import apply_profile
+
+        apply_profile(repo, profile, logger)
     plan = load_plan(repo, pipeline, targets, force)
     todo = [s for s in plan if s.action == "run"]
     logger.info("pipeline %s: %d stages, %d to run, %d up to date", pipeline, len(plan),
@@ -617,6 +633,9 @@ def pipeline_flow(pipeline: str, root: str | None = None, targets: list[str] | N
             _delete_if_empty(repo, parent)
     seconds = round(time.monotonic() - started, 2)
     logger.info("pipeline %s:\n%s", pipeline, _table(summary, seconds))
+    from flows.results import publish_results
+
+    publish_results(repo, pipeline, _table(summary, seconds), ok=not failed)
     result = {"stages": summary, "flow_run_id": flow_run_id, "parent_run_id": parent,
               "seconds": seconds}
     if failed:
