@@ -140,13 +140,17 @@ def cmd_repro(args: argparse.Namespace) -> int:
         print(f"$ {' '.join(cmd[1:])}", flush=True)
         rc = subprocess.run(cmd, cwd=root, env=env).returncode
         if spool:
-            finish_spooled_parent(root, parent, rc == 0)
+            parent = finish_spooled_parent(root, parent, rc == 0).get("parent_run_id")
         else:
             _close_parent(root, parent, rc == 0)
         if rc != 0:
             print(f"error: `dvc repro` of pipeline {p!r} failed (exit {rc})", file=sys.stderr)
             return rc
         update_readme(root, p)
+        if parent:  # the execution's summary in MLflow: results table, plots, metrics
+            from flows.results import log_results
+
+            log_results(root, p, parent)
     for p in pipelines:
         print(f"\n## Results: {p}\n")
         print(results_table(root, p))

@@ -111,6 +111,48 @@ def publish_results(root: Path, pipeline: str, stage_table: str, ok: bool) -> st
         return None
 
 
+def log_results(root: Path, pipeline: str, run_id: str) -> int:
+    """Attach the pipeline's results to its parent run (one execution): `results.md` (the
+    summary table), its plots and report files as artifacts, and every number of its metrics
+    files as a metric `<stage>/<key>`, so the parent run is the execution's summary in MLflow.
+    Returns the metrics logged; never fails a pipeline that ran (a warning says why)."""
+    import logging
+    import tempfile
+    import time
+
+    from mlflow import MlflowClient
+    from mlflow.entities import Metric
+
+    from stages.core.tracking import configure, mlflow_key
+
+    try:
+        configure(root)
+        client = MlflowClient()
+        if client.get_run(run_id).info.lifecycle_stage == "deleted":
+            return 0  # nothing ran: the empty parent was removed
+        now = int(time.time() * 1000)
+        values = [Metric(mlflow_key(f"{stage}/{k}")[:250], float(v), now, 0)
+                  for stage, m in load_metrics(root, pipeline).items()
+                  for k, v in _flatten(m).items()
+                  if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        for i in range(0, len(values), 1000):
+            client.log_batch(run_id, metrics=values[i:i + 1000])
+        with tempfile.TemporaryDirectory() as tmp:
+            page = Path(tmp) / "results.md"
+            page.write_text(results_markdown(root, pipeline))
+            client.log_artifact(run_id, str(page))
+        pdir = pipeline_dirs(root)[pipeline]
+        for folder in (pdir / "plots", pdir / "report", root / "reports" / pipeline):
+            for f in sorted(folder.glob("*")) if folder.is_dir() else []:
+                if f.suffix in (".png", ".csv", ".md", ".json") and f.is_file():
+                    client.log_artifact(run_id, str(f), folder.name)
+        return len(values)
+    except Exception as exc:
+        logging.getLogger("paperline").warning("results not attached to parent run %s: %s",
+                                               run_id, exc)
+        return 0
+
+
 def readme_for(root: Path, pipeline: str) -> Path:
     d = pipeline_dirs(root)[pipeline]
     return (root / "pipelines" / "base" / "README.md") if d == root else d / "README.md"

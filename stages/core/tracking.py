@@ -1,7 +1,10 @@
 """MLflow tracking for stages: one experiment per pipeline, a child run per stage.
 
 - Tracking URI: `MLFLOW_TRACKING_URI` if set, else an embedded SQLite database inside the repo
-  (`.paperline/mlflow/mlflow.db`, artifacts beside it; ignored by git). With S3 storage
+  (`.paperline/mlflow/mlflow.db`, artifacts beside it; ignored by git). `paperline stack up`
+  serves that same file (flows/stack.py), and the CLI points `MLFLOW_TRACKING_URI` at that server
+  while it runs: one store (`store_of` says which URIs reach it). Experiments are created as
+  classic ML experiments (`mlflow.experimentKind`), not MLflow 3's GenAI view. With S3 storage
   configured (`stages/core/storage.py`), new experiments of the embedded store keep their
   artifacts on S3 instead; a server decides for itself (`--artifacts-destination`).
 - The parent run (one per pipeline execution) is created by `paperline run|repro` and handed to
@@ -29,6 +32,10 @@
   when the first spooled stage is replayed (`PAPERLINE_PARENT_RUN_ID=spool:<token>`): a no-op
   repro touches MLflow not at all. `PAPERLINE_TRACKING=on` (the default for a plain `dvc repro`)
   logs live; `off` logs nothing.
+- No run is left RUNNING: closing a parent run (`end_parent_run`, `finish_spooled_parent`)
+  marks the runs below it still RUNNING as KILLED (the stage process that would have closed them
+  is gone); a close that does not reach MLflow is recorded as a gap and replayed; the parent of
+  a `paperline repro` that was killed is closed KILLED by the next sync.
 - No duplicate runs after a failure: a stage that runs again with the same stage key under the
   same parent run (a Prefect retry, a rerun after a crash) resumes that earlier run instead of
   creating another; with no parent (plain `dvc repro`) only an unfinished earlier run is resumed.
@@ -653,7 +660,7 @@ def spool_parent(root: Path, pipeline: str, tags: dict[str, str] | None = None) 
 def finish_spooled_parent(root: Path, token: str, ok: bool) -> dict[str, int]:
     """After the execution: replay what its stages spooled (and any older gap) and close its
     parent run. Nothing ran (everything up to date): no run is created and MLflow is not
-    touched. Returns `sync_gaps`'s counts."""
+    touched. Returns `sync_gaps`'s counts, and `parent_run_id` when a parent run was made."""
     from .io import write_json
 
     record_file = _parent_file(root, token)
@@ -670,6 +677,7 @@ def finish_spooled_parent(root: Path, token: str, ok: bool) -> dict[str, int]:
             exp = client.get_experiment_by_name(record.get("pipeline", ""))
             for run in client.search_runs([exp.experiment_id], filter_string=(
                     f"tags.`paperline.spool_parent` = '{token}'"), max_results=1):
+                out["parent_run_id"] = run.info.run_id
                 if run.info.status == "RUNNING":
                     close_run(client, run.info.run_id, "FINISHED" if ok else "FAILED")
     if not any(g["tags"].get("mlflow.parentRunId") == token for _, g in list_gaps(root)):
