@@ -366,7 +366,10 @@ def up(root: Path, prefect_port: int | None = None, mlflow_port: int | None = No
         for name in reversed(started):
             _stop(root, name, 10.0)
         raise
-    parts = {"prefect": f"Prefect UI {u['prefect']}", "mlflow": f"MLflow UI {u['mlflow']}",
+    # MLflow 3 opens in its GenAI view unless told (or its sidebar switch was clicked once):
+    # these are training runs, so the printed link asks for the classic view
+    parts = {"prefect": f"Prefect UI {u['prefect']}",
+             "mlflow": f"MLflow UI {u['mlflow']}/#/experiments?workflowType=machine_learning",
              "worker": f"worker pool {WORK_POOL}",
              "postgres": f"PostgreSQL {HOST}:{p['postgres']}"}
     say(f"stack up{' (team)' if team else ''}: "

@@ -61,10 +61,15 @@ def main(repo: Path) -> None:
             if r.data.params["budget"] in (budget, "none"):
                 latest.setdefault(r.data.tags["paperline.method"], r.info.run_id)
         ids = list(latest.values())
+        # MLflow 3.17 shows the view of its sidebar switch (GenAI | Model training; the browser
+        # remembers a click, a new browser starts in GenAI); `workflowType` in the URL sets it,
+        # and links from that page keep it (the URL `paperline stack up` prints).
+        print(shoot(f"{url}/#/experiments/{exp.experiment_id}?workflowType=machine_learning",
+                    HERE / "mlflow-runs.png", "1700,900"))
         page = (f"{url}/#/compare-runs?runs={quote(json.dumps(ids))}"
-                f"&experiments={quote(json.dumps([exp.experiment_id]))}")
-        print(shoot(page, HERE / "mlflow-compare.png", "1500,1300"))
-        print(shoot(f"{url}/#/experiments/{exp.experiment_id}/runs", HERE / "mlflow-runs.png"))
+                f"&experiments={quote(json.dumps([exp.experiment_id]))}"
+                "&workflowType=machine_learning")
+        print(shoot(page, HERE / "mlflow-compare.png", "1700,2000"))
     finally:
         if started:
             stack.down(repo, quiet=True)
