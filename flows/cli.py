@@ -133,12 +133,9 @@ def _repro(root: Path, pipelines: list[str], args: argparse.Namespace) -> int:
         tracking_mode,
     )
 
-    if not os.environ.get("MLFLOW_TRACKING_URI"):
-        from flows import stack
+    from flows import stack
 
-        if url := stack.mlflow_url(root):  # `paperline stack up`: runs show in its MLflow UI
-            os.environ["MLFLOW_TRACKING_URI"] = url
-            print(f"using the stack's MLflow server {url}")
+    stack.use_tracking(root)  # `paperline stack up`: through its server (the same store)
     from stages.core.tracking import list_gaps, sync_gaps
 
     if list_gaps(root):  # stages that ran while MLflow was down: replay them first
@@ -159,13 +156,17 @@ def _repro(root: Path, pipelines: list[str], args: argparse.Namespace) -> int:
         # a killed `paperline repro` takes its dvc, and dvc its stage, along (stages/core/proc.py)
         rc = subprocess.run(cmd, cwd=root, env=env, preexec_fn=kill_with_parent()).returncode
         if spool:
-            finish_spooled_parent(root, parent, rc == 0)
+            parent = finish_spooled_parent(root, parent, rc == 0).get("parent_run_id")
         else:
             _close_parent(root, parent, rc == 0)
         if rc != 0:
             print(f"error: `dvc repro` of pipeline {p!r} failed (exit {rc})", file=sys.stderr)
             return rc
         update_readme(root, p)
+        if parent:  # the execution's summary in MLflow: results table, plots, metrics
+            from flows.results import log_results
+
+            log_results(root, p, parent)
     for p in pipelines:
         print(f"\n## Results: {p}\n")
         print(results_table(root, p))
@@ -221,7 +222,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     from flows.results import compare
 
+    from flows import stack
+
     root = _root()
+    stack.use_tracking(root, quiet=True)
     table, written = compare(root, _pipelines(root, args.pipeline, False)[0])
     print(table)
     print("saved: " + ", ".join(str(p.relative_to(root)) for p in written))
@@ -292,9 +296,11 @@ def cmd_stack(args: argparse.Namespace) -> int:
 
 def cmd_tracking(args: argparse.Namespace) -> int:
     """MLflow tracking gaps (stages that ran while MLflow was unreachable): list or replay."""
+    from flows import stack
     from stages.core import tracking
 
     root = _root()
+    stack.use_tracking(root, quiet=True)  # where `paperline repro` logs (and so its gaps)
     if args.action == "gaps":
         gaps = tracking.list_gaps(root)
         for path, gap in gaps:

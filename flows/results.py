@@ -78,6 +78,81 @@ def results_table(root: Path, pipeline: str) -> str:
     return getattr(importlib.import_module(module), func)(metrics)
 
 
+def results_markdown(root: Path, pipeline: str, stage_table: str | None = None) -> str:
+    """The pipeline's results table (and the run's stage table) as one markdown document."""
+    parts = [f"# {pipeline}"]
+    if stage_table:
+        parts.append(f"## Stages of this run\n\n```\n{stage_table}\n```")
+    try:
+        ctx, _, _ = build_context(root, pipeline, "report")
+        parts.append(f"## Results (profile `{ctx.profile}`)\n\n{results_table(root, pipeline)}")
+    except Exception as exc:  # e.g. a repo whose pipeline has no registered stages
+        parts.append(f"_No results table: {type(exc).__name__}: {exc}_")
+    return "\n\n".join(parts) + "\n"
+
+
+def publish_results(root: Path, pipeline: str, stage_table: str, ok: bool) -> str | None:
+    """In a Prefect flow run: its markdown artifact `<pipeline>-results` (the run's *Artifacts*
+    tab; the latest under that key on the Artifacts page). Returns the key; never fails a run."""
+    import logging
+    import re
+
+    key = re.sub(r"[^a-z0-9-]", "-", f"{pipeline}-results".lower())
+    try:
+        from prefect.artifacts import create_markdown_artifact
+
+        text = results_markdown(root, pipeline, stage_table) if ok else (
+            f"# {pipeline}\n\nThe run failed.\n\n```\n{stage_table}\n```\n")
+        create_markdown_artifact(markdown=text, key=key,
+                                 description=f"paperline pipeline {pipeline}: results")
+        return key
+    except Exception as exc:
+        logging.getLogger("paperline").warning("results artifact not published: %s", exc)
+        return None
+
+
+def log_results(root: Path, pipeline: str, run_id: str) -> int:
+    """Attach the pipeline's results to its parent run (one execution): `results.md` (the
+    summary table), its plots and report files as artifacts, and every number of its metrics
+    files as a metric `<stage>/<key>`, so the parent run is the execution's summary in MLflow.
+    Returns the metrics logged; never fails a pipeline that ran (a warning says why)."""
+    import logging
+    import tempfile
+    import time
+
+    from mlflow import MlflowClient
+    from mlflow.entities import Metric
+
+    from stages.core.tracking import configure, mlflow_key
+
+    try:
+        configure(root)
+        client = MlflowClient()
+        if client.get_run(run_id).info.lifecycle_stage == "deleted":
+            return 0  # nothing ran: the empty parent was removed
+        now = int(time.time() * 1000)
+        values = [Metric(mlflow_key(f"{stage}/{k}")[:250], float(v), now, 0)
+                  for stage, m in load_metrics(root, pipeline).items()
+                  for k, v in _flatten(m).items()
+                  if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        for i in range(0, len(values), 1000):
+            client.log_batch(run_id, metrics=values[i:i + 1000])
+        with tempfile.TemporaryDirectory() as tmp:
+            page = Path(tmp) / "results.md"
+            page.write_text(results_markdown(root, pipeline))
+            client.log_artifact(run_id, str(page))
+        pdir = pipeline_dirs(root)[pipeline]
+        for folder in (pdir / "plots", pdir / "report", root / "reports" / pipeline):
+            for f in sorted(folder.glob("*")) if folder.is_dir() else []:
+                if f.suffix in (".png", ".csv", ".md", ".json") and f.is_file():
+                    client.log_artifact(run_id, str(f), folder.name)
+        return len(values)
+    except Exception as exc:
+        logging.getLogger("paperline").warning("results not attached to parent run %s: %s",
+                                               run_id, exc)
+        return 0
+
+
 def readme_for(root: Path, pipeline: str) -> Path:
     d = pipeline_dirs(root)[pipeline]
     return (root / "pipelines" / "base" / "README.md") if d == root else d / "README.md"

@@ -525,21 +525,37 @@ def _delete_if_empty(root: Path, parent: str | None) -> None:
 @flow(name="paperline", persist_result=False, log_prints=False)
 def pipeline_flow(pipeline: str, root: str | None = None, targets: list[str] | None = None,
                   max_parallel: int = 2, retries: int = 1, force: bool = False,
-                  gpu_slots: int | None = None, wait: bool = True) -> dict[str, Any]:
+                  gpu_slots: int | None = None, profile: str | None = None,
+                  wait: bool = True) -> dict[str, Any]:
     """Execute pipeline `pipeline` (a folder under pipelines/, or `base`) of the repo at `root`
     (default: `PAPERLINE_ROOT`, else the working directory) as its DVC DAG; see module docstring.
-    One run of a pipeline at a time: a second waits for the first (`wait=False`: fails)."""
+    One run of a pipeline at a time: a second waits for the first (`wait=False`: fails).
+
+    Args:
+        pipeline: the pipeline's slug (a folder under pipelines/, or `base`).
+        root: the repo (default: `PAPERLINE_ROOT`, else the working directory).
+        targets: only these stages of the pipeline and what they depend on (default: all).
+        max_parallel: stage processes running at once.
+        retries: attempts after a stage fails.
+        force: recompute every stage of the plan, even those DVC finds up to date.
+        gpu_slots: slots of the `paperline-gpu` limit when it is created.
+        profile: smoke, cpu or gpu, written to params.yaml first (and kept, as dvc exp run -S
+            does); empty: the profile params.yaml has.
+        wait: when another run of this pipeline holds its lock, wait for it (else fail).
+    """
     repo = find_root(root or os.environ.get("PAPERLINE_ROOT") or None)
     dvcfile_of(repo, pipeline)  # an unknown pipeline: 'did you mean', before taking its lock
     logger = get_run_logger()
     with pipeline_lock(repo, pipeline, wait=wait, what=f"paperline run {pipeline}",
                        say=logger.warning):
         clean_repo_tmp(repo)  # what killed stages left (a restore from the cache would not)
-        return _pipeline_flow(repo, pipeline, targets, max_parallel, retries, force, gpu_slots)
+        return _pipeline_flow(repo, pipeline, targets, max_parallel, retries, force, gpu_slots,
+                              profile)
 
 
 def _pipeline_flow(repo: Path, pipeline: str, targets: list[str] | None, max_parallel: int,
-                   retries: int, force: bool, gpu_slots: int | None) -> dict[str, Any]:
+                   retries: int, force: bool, gpu_slots: int | None,
+                   profile: str | None) -> dict[str, Any]:
     from prefect.runtime import flow_run
     from prefect.task_runners import ThreadPoolTaskRunner
 
@@ -549,6 +565,10 @@ def _pipeline_flow(repo: Path, pipeline: str, targets: list[str] | None, max_par
     started = time.monotonic()
     if max_parallel < 1:
         raise ValueError(f"max_parallel = {max_parallel}: expected at least 1")
+    if profile is not None:
+        from flows.deploy import apply_profile
+
+        apply_profile(repo, profile, logger)
     plan = load_plan(repo, pipeline, targets, force)
     todo = [s for s in plan if s.action == "run"]
     logger.info("pipeline %s: %d stages, %d to run, %d up to date", pipeline, len(plan),
@@ -636,6 +656,9 @@ def _pipeline_flow(repo: Path, pipeline: str, targets: list[str] | None, max_par
             _delete_if_empty(repo, parent)
     seconds = round(time.monotonic() - started, 2)
     logger.info("pipeline %s:\n%s", pipeline, _table(summary, seconds))
+    from flows.results import publish_results
+
+    publish_results(repo, pipeline, _table(summary, seconds), ok=not failed)
     result = {"stages": summary, "flow_run_id": flow_run_id, "parent_run_id": parent,
               "seconds": seconds}
     if failed:

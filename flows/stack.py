@@ -5,9 +5,13 @@
     paperline stack down      # SIGTERM each process group, then SIGKILL after a grace period
 
 Everything binds to 127.0.0.1 and keeps its state in `.paperline/stack/` (ignored by git):
-`prefect.db` and `mlflow.db` (SQLite), MLflow `artifacts/` (on S3 instead, `s3://<bucket>/<prefix>/
-mlflow`, when S3 storage is configured: stages/core/storage.py), `<name>.pid` and `<name>.log` for
-each process, `ports.json`. Processes are started in their own session (process group) and stopped by
+`prefect.db` (SQLite), `<name>.pid` and `<name>.log` for each process, `ports.json`. The MLflow
+server serves the project's one local store, the embedded one that `dvc repro` and `paperline
+repro` write without the stack (`.paperline/mlflow/mlflow.db`, artifacts in
+`.paperline/mlflow/artifacts/`; new experiments' artifacts on S3, `s3://<bucket>/<prefix>/mlflow`,
+when S3 storage is configured: stages/core/storage.py): what ran before `up` is in its UI, what
+runs while it is up stays in the file after `down`. (Before, the stack kept a store of its own,
+`.paperline/stack/mlflow.db`; `up` says so if that file is still there, and leaves it alone.) Processes are started in their own session (process group) and stopped by
 PID only. Ports: arguments, else `PAPERLINE_PREFECT_PORT` / `PAPERLINE_MLFLOW_PORT`, else the
 ports of the last `up`, else 4200 / 5000.
 
@@ -28,9 +32,12 @@ to it: clients need no S3 credentials. While any process of the stack runs, `up`
 Servers bind to 127.0.0.1 unless told otherwise (`--bind` / `PAPERLINE_BIND`, e.g. 0.0.0.0 for
 workers on other hosts behind your own firewall); PostgreSQL always binds to 127.0.0.1.
 
-Note: the stack's MLflow server has its own store (`.paperline/stack/mlflow.db`); the embedded
-store of plain `dvc repro` (`.paperline/mlflow/`) is separate. `paperline run` uses the stack's
-servers when the stack is up and `PREFECT_API_URL` / `MLFLOW_TRACKING_URI` are not set.
+Team mode keeps its own MLflow database (`mlflow` on the stack's PostgreSQL): runs logged there
+are not in the local file, and the other way round.
+
+Where runs go (`tracking_uri`, used by `paperline repro|run|compare|report|tracking`):
+`MLFLOW_TRACKING_URI` if set, else the running stack's MLflow server, else the embedded store.
+Prefect likewise: `PREFECT_API_URL`, else the running stack's server.
 """
 
 from __future__ import annotations
@@ -150,6 +157,26 @@ def mlflow_url(root: Path) -> str | None:
     return urls(root)["mlflow"] if _read_pid(root, "mlflow") else None
 
 
+def tracking_uri(root: Path) -> str:
+    """Where MLflow runs go: `MLFLOW_TRACKING_URI`, else the running stack's MLflow server, else
+    the embedded store (which that server serves in local mode)."""
+    from stages.core.tracking import embedded_uri
+
+    return (os.environ.get("MLFLOW_TRACKING_URI") or mlflow_url(root)
+            or embedded_uri(root, create=True))
+
+
+def use_tracking(root: Path, quiet: bool = False) -> str:
+    """Point this process, and the stage processes it starts, at `tracking_uri(root)` (sets
+    `MLFLOW_TRACKING_URI` when the stack's server is the answer); returns the URI."""
+    uri = tracking_uri(root)
+    if not os.environ.get("MLFLOW_TRACKING_URI") and uri.startswith("http"):
+        os.environ["MLFLOW_TRACKING_URI"] = uri
+        if not quiet:
+            print(f"using the stack's MLflow server {uri}")
+    return uri
+
+
 # ---------------------------------------------------------------------------------------------
 
 
@@ -266,8 +293,12 @@ def up(root: Path, prefect_port: int | None = None, mlflow_port: int | None = No
 
         if s3 := storage.load_settings(root):  # S3 storage configured: proxy artifacts there
             storage.preflight(s3)  # unreachable / wrong credentials: say so now, with the endpoint
-    (sdir / "ports.json").write_text(json.dumps({**p, "mode": "team" if team else "local",
-                                                 "bind": bind}))
+    from stages.core.tracking import embedded_uri
+
+    # `mlflow_store`: the local server serves the embedded store (stages.core.tracking.store_of)
+    (sdir / "ports.json").write_text(json.dumps({
+        **p, "mode": "team" if team else "local", "bind": bind,
+        "mlflow_store": None if team else embedded_uri(root, create=True)}))
     u = urls(root)
     env = _base_env()
     started: list[str] = []
@@ -294,13 +325,22 @@ def up(root: Path, prefect_port: int | None = None, mlflow_port: int | None = No
             menv = dict(env, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false",
                         **(pg.client_env() if pg else {}))
             menv.pop("MLFLOW_TRACKING_URI", None)
-            (sdir / "artifacts").mkdir(exist_ok=True)
-            artifacts = ["--artifacts-destination", str(sdir / "artifacts")]
+            local = Path(embedded_uri(root, create=True)[len("sqlite:///"):])
+            art = local.parent / "artifacts"
+            art.mkdir(exist_ok=True)
+            # Local mode: the embedded store's own file and artifact folder, so experiments made
+            # here or by a stage without the server keep their artifacts in one place (file://,
+            # readable with or without the server: the stack is on this machine).
+            artifacts = ["--default-artifact-root", art.as_uri(),
+                         "--artifacts-destination", str(art)]
             if s3:
                 artifacts = storage.mlflow_server_args(s3)
                 menv.update(storage.mlflow_client_env(s3))  # credentials: inherited environment
-            store = (pg.url("mlflow", "postgresql+psycopg2") if pg
-                     else f"sqlite:///{sdir / 'mlflow.db'}")
+            store = pg.url("mlflow", "postgresql+psycopg2") if pg else f"sqlite:///{local}"
+            if not pg and (sdir / "mlflow.db").is_file():
+                say(f"note: {(sdir / 'mlflow.db').relative_to(root)} (the stack's own store "
+                    f"before it served {local.relative_to(root)}) is no longer served; "
+                    "left as it is")
             _spawn(root, "mlflow", [_bin("mlflow"), "server", "--host", bind,
                                     "--port", str(p["mlflow"]), "--workers", "1",
                                     "--backend-store-uri", store, *artifacts], menv)
@@ -326,7 +366,10 @@ def up(root: Path, prefect_port: int | None = None, mlflow_port: int | None = No
         for name in reversed(started):
             _stop(root, name, 10.0)
         raise
-    parts = {"prefect": f"Prefect UI {u['prefect']}", "mlflow": f"MLflow UI {u['mlflow']}",
+    # MLflow 3 opens in its GenAI view unless told (or its sidebar switch was clicked once):
+    # these are training runs, so the printed link asks for the classic view
+    parts = {"prefect": f"Prefect UI {u['prefect']}",
+             "mlflow": f"MLflow UI {u['mlflow']}/#/experiments?workflowType=machine_learning",
              "worker": f"worker pool {WORK_POOL}",
              "postgres": f"PostgreSQL {HOST}:{p['postgres']}"}
     say(f"stack up{' (team)' if team else ''}: "

@@ -1,7 +1,10 @@
 """MLflow tracking for stages: one experiment per pipeline, a child run per stage.
 
 - Tracking URI: `MLFLOW_TRACKING_URI` if set, else an embedded SQLite database inside the repo
-  (`.paperline/mlflow/mlflow.db`, artifacts beside it; ignored by git). With S3 storage
+  (`.paperline/mlflow/mlflow.db`, artifacts beside it; ignored by git). `paperline stack up`
+  serves that same file (flows/stack.py), and the CLI points `MLFLOW_TRACKING_URI` at that server
+  while it runs: one store (`store_of` says which URIs reach it). Experiments are created as
+  classic ML experiments (`mlflow.experimentKind`), not MLflow 3's GenAI view. With S3 storage
   configured (`stages/core/storage.py`), new experiments of the embedded store keep their
   artifacts on S3 instead; a server decides for itself (`--artifacts-destination`).
 - The parent run (one per pipeline execution) is created by `paperline run|repro` and handed to
@@ -29,6 +32,10 @@
   when the first spooled stage is replayed (`PAPERLINE_PARENT_RUN_ID=spool:<token>`): a no-op
   repro touches MLflow not at all. `PAPERLINE_TRACKING=on` (the default for a plain `dvc repro`)
   logs live; `off` logs nothing.
+- No run is left RUNNING: closing a parent run (`end_parent_run`, `finish_spooled_parent`)
+  marks the runs below it still RUNNING as KILLED (the stage process that would have closed them
+  is gone); a close that does not reach MLflow is recorded as a gap and replayed; the parent of
+  a `paperline repro` that was killed is closed KILLED by the next sync.
 - No duplicate runs after a failure: a stage that runs again with the same stage key under the
   same parent run (a Prefect retry, a rerun after a crash) resumes that earlier run instead of
   creating another; with no parent (plain `dvc repro`) only an unfinished earlier run is resumed.
@@ -64,13 +71,44 @@ def tracking_mode(environ: Any = os.environ) -> str:
     return mode
 
 
-def tracking_uri(root: Path) -> str:
-    uri = os.environ.get("MLFLOW_TRACKING_URI")
-    if uri:
-        return uri
-    db = root / ".paperline" / "mlflow" / "mlflow.db"
-    db.parent.mkdir(parents=True, exist_ok=True)
+EMBEDDED_DB = Path(".paperline") / "mlflow" / "mlflow.db"  # the project's one local store
+STACK_STATE = Path(".paperline") / "stack" / "ports.json"  # written by flows/stack.py `up`
+# MLflow 3 opens an experiment without this tag in its GenAI view (traces, judges, "Evaluation
+# runs"); `custom_model_development` is the classic view: runs table, charts, Compare.
+KIND_TAG, CLASSIC_ML = "mlflow.experimentKind", "custom_model_development"
+
+
+def embedded_uri(root: Path, create: bool = False) -> str:
+    """The embedded SQLite store of the main repo (also what `paperline stack up` serves)."""
+    db = main_root(root) / EMBEDDED_DB
+    if create:
+        db.parent.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{db}"
+
+
+def tracking_uri(root: Path) -> str:
+    """`MLFLOW_TRACKING_URI`, else the embedded store. A stage process asks this; the CLI first
+    points `MLFLOW_TRACKING_URI` at the running stack's server (`flows.stack.use_tracking`), which
+    serves the same store."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or embedded_uri(root, create=True)
+
+
+def store_of(root: Path, uri: str) -> str:
+    """Which store `uri` reaches: the embedded SQLite URI for that URI itself and for the local
+    stack's MLflow server (which serves that file), else `uri` (credentials removed). Gaps are
+    replayed only into the store they were recorded against."""
+    uri = _redact(uri).rstrip("/")
+    local = embedded_uri(root)
+    if uri == local:
+        return local
+    try:
+        state = json.loads((main_root(root) / STACK_STATE).read_text())
+    except (OSError, ValueError):
+        return uri
+    if state.get("mlflow_store") == local and uri in (
+            f"http://127.0.0.1:{state.get('mlflow')}", f"http://localhost:{state.get('mlflow')}"):
+        return local
+    return uri
 
 
 # MLflow's own defaults retry a dead server for about 4 minutes per call (7 retries, backoff 2,
@@ -96,30 +134,41 @@ def configure(root: Path) -> str:
     return uri
 
 
-def experiment_id(root: Path, pipeline: str) -> str:
-    """Get or create the pipeline's experiment (artifacts inside the repo for the local store)."""
-    import mlflow
+def experiment_id(root: Path, pipeline: str, client: Any = None) -> str:
+    """Get or create the pipeline's experiment (artifacts inside the repo for the local store),
+    a classic ML experiment (`KIND_TAG`). `client`: an MlflowClient, else the fluent API's
+    tracking URI."""
+    if client is None:
+        from mlflow import MlflowClient
 
-    exp = mlflow.get_experiment_by_name(pipeline)
+        client = MlflowClient()
+    exp = client.get_experiment_by_name(pipeline)
     if exp is not None:
+        kind = exp.tags.get(KIND_TAG, "")
+        if kind in ("", "no_inferred_type") or kind.endswith("_inferred"):  # made before
+            with contextlib.suppress(Exception):  # paperline set the kind, or guessed by the UI
+                client.set_experiment_tag(exp.experiment_id, KIND_TAG, CLASSIC_ML)
         return exp.experiment_id
     location = None
-    uri = mlflow.get_tracking_uri()
-    if uri.startswith("sqlite:///"):
+    if store_of(root, client.tracking_uri).startswith("sqlite:///"):
         from .storage import experiment_artifact_location
 
         # S3 storage configured (params `storage:` / PAPERLINE_S3_*): artifacts on the store.
         location = experiment_artifact_location(root, pipeline)
         if location is None:
-            # A local store has no artifact server: keep artifacts beside the database (inside
-            # the main repo, also when a stage runs in a Prefect workspace), never in ./mlruns.
-            art = Path(uri[len("sqlite:///"):]).parent / "artifacts" / pipeline
+            # A local store has no artifact server of its own: keep artifacts beside the database
+            # (inside the main repo, also when a stage runs in a Prefect workspace, and the same
+            # folder whether the store is opened directly or through the stack's server), never
+            # in ./mlruns.
+            db = store_of(root, client.tracking_uri)[len("sqlite:///"):]
+            art = Path(db).parent / "artifacts" / pipeline
             art.mkdir(parents=True, exist_ok=True)
             location = art.as_uri()
     try:
-        return mlflow.create_experiment(pipeline, artifact_location=location)
+        return client.create_experiment(pipeline, artifact_location=location,
+                                        tags={KIND_TAG: CLASSIC_ML})
     except Exception:  # created concurrently by a sibling stage
-        exp = mlflow.get_experiment_by_name(pipeline)
+        exp = client.get_experiment_by_name(pipeline)
         if exp is None:
             raise
         return exp.experiment_id
@@ -381,7 +430,8 @@ class StageTracker:
             self.gap_file = write_gap(self.ctx.root, {
                 "stage_run_id": self.stage_run_id, "run_id": self.run_id,
                 "experiment": self.ctx.pipeline, "run_name": self.ctx.stage,
-                "tracking_uri": uri, "tags": self._tags, "params": self._params,
+                "tracking_uri": uri, "store": store_of(self.ctx.root, uri),
+                "tags": self._tags, "params": self._params,
                 "started_ms": self._started_ms,
                 "recorded": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **self.gap})
             if spooled:
@@ -521,8 +571,7 @@ def _replay(client: Any, gap: dict[str, Any], root: Path | None = None) -> str:
     run_id = gap.get("run_id")
     spooled = gap["failed_at"] == "spool"
     if not run_id:
-        exp = client.get_experiment_by_name(gap["experiment"])
-        exp_id = exp.experiment_id if exp else client.create_experiment(gap["experiment"])
+        exp_id = experiment_id(root or Path.cwd(), gap["experiment"], client)
         found = client.search_runs(
             [exp_id], filter_string=f"tags.`paperline.stage_run_id` = '{gap['stage_run_id']}'",
             max_results=1)
@@ -583,6 +632,8 @@ def _replay(client: Any, gap: dict[str, Any], root: Path | None = None) -> str:
     own = run.data.tags.get("paperline.stage_run_id") in (None, gap["stage_run_id"])
     if own or run.info.status == "RUNNING":  # never overwrite a retry's own final status
         client.set_terminated(run_id, status=status, end_time=end_ms)
+    if any(op["op"] == "close_children" for op in gap["ops"]):  # a parent's close (a gap)
+        kill_running_children(client, run_id, end_ms)
     return run_id
 
 
@@ -599,7 +650,8 @@ def spool_parent(root: Path, pipeline: str, tags: dict[str, str] | None = None) 
 
     token = f"{SPOOL_PARENT}{uuid.uuid4().hex}"
     write_json(_parent_file(root, token), {
-        "pipeline": pipeline, "started_ms": _now_ms(),
+        "pipeline": pipeline, "token": token, "started_ms": _now_ms(),
+        "pid": _process_id(os.getpid()),
         "tags": {"paperline.pipeline": pipeline, "paperline.kind": "pipeline",
                  "git.commit": git_commit(root), **(tags or {})}})
     return token
@@ -608,7 +660,7 @@ def spool_parent(root: Path, pipeline: str, tags: dict[str, str] | None = None) 
 def finish_spooled_parent(root: Path, token: str, ok: bool) -> dict[str, int]:
     """After the execution: replay what its stages spooled (and any older gap) and close its
     parent run. Nothing ran (everything up to date): no run is created and MLflow is not
-    touched. Returns `sync_gaps`'s counts."""
+    touched. Returns `sync_gaps`'s counts, and `parent_run_id` when a parent run was made."""
     from .io import write_json
 
     record_file = _parent_file(root, token)
@@ -625,11 +677,55 @@ def finish_spooled_parent(root: Path, token: str, ok: bool) -> dict[str, int]:
             exp = client.get_experiment_by_name(record.get("pipeline", ""))
             for run in client.search_runs([exp.experiment_id], filter_string=(
                     f"tags.`paperline.spool_parent` = '{token}'"), max_results=1):
+                out["parent_run_id"] = run.info.run_id
                 if run.info.status == "RUNNING":
-                    client.set_terminated(run.info.run_id, status="FINISHED" if ok else "FAILED")
+                    close_run(client, run.info.run_id, "FINISHED" if ok else "FAILED")
     if not any(g["tags"].get("mlflow.parentRunId") == token for _, g in list_gaps(root)):
         record_file.unlink(missing_ok=True)  # replayed (or nothing to replay): done
     return out
+
+
+def _process_id(pid: int) -> str:
+    """`<pid> <create time>`: a reused PID is never taken for the process that wrote it."""
+    try:
+        import psutil
+
+        return f"{pid} {psutil.Process(pid).create_time()}"
+    except Exception:
+        return f"{pid} ?"
+
+
+def _gone(record: dict[str, Any]) -> bool:
+    """Whether the execution that wrote a spooled parent's record has ended without closing it
+    (`paperline repro` killed): its process is gone."""
+    if record.get("status") or not record.get("pid"):
+        return False
+    pid = int(record["pid"].split()[0])
+    return _process_id(pid) != record["pid"]
+
+
+def close_abandoned_parents(client: Any, root: Path) -> int:
+    """Parent runs of spooled executions whose `paperline repro` died before closing them: KILLED
+    (their stage runs, replayed, keep their own status). Returns how many were closed."""
+    closed = 0
+    pending = {g["tags"].get("mlflow.parentRunId") for _, g in list_gaps(root)}
+    for path in sorted((gaps_dir(root).parent / "tracking-parents").glob("*.json")):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        token = record.get("token")
+        if not token or not _gone(record):
+            continue
+        exp = client.get_experiment_by_name(record.get("pipeline", ""))
+        found = client.search_runs([exp.experiment_id], filter_string=(
+            f"tags.`paperline.spool_parent` = '{token}'"), max_results=1) if exp else []
+        if found and found[0].info.status == "RUNNING":
+            close_run(client, found[0].info.run_id, "KILLED")
+            closed += 1
+        if token not in pending:
+            path.unlink(missing_ok=True)
+    return closed
 
 
 def spooled_parent(client: Any, exp_id: str, token: str, gap: dict[str, Any],
@@ -650,6 +746,8 @@ def spooled_parent(client: Any, exp_id: str, token: str, gap: dict[str, Any],
                                ).info.run_id
     if record.get("status"):
         client.set_terminated(run_id, status=record["status"], end_time=record.get("end_ms"))
+    elif _gone(record):  # its `paperline repro` was killed: no one else will close it
+        client.set_terminated(run_id, status="KILLED")
     return run_id
 
 
@@ -718,10 +816,14 @@ def sync_gaps(root: Path, quiet: bool = False) -> dict[str, int]:
 
     uri = configure(root)
     client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    here = store_of(root, uri)
     for path, gap in gaps:
-        if gap.get("tracking_uri") and gap["tracking_uri"] != _safe_uri():
+        # the local stack's server and the embedded file are one store (`store_of`)
+        there = gap.get("store") or (gap.get("tracking_uri") and store_of(root,
+                                                                         gap["tracking_uri"]))
+        if there and there != here:
             log.warning("gap %s was recorded against %s, not %s: left for that server",
-                        path.name, gap["tracking_uri"], _safe_uri())
+                        path.name, there, here)
             continue
         try:
             run_id = _replay(client, gap, root)
@@ -738,6 +840,8 @@ def sync_gaps(root: Path, quiet: bool = False) -> dict[str, int]:
         if not quiet:
             print(f"replayed {gap['experiment']}/{gap['run_name']} ({len(gap['ops'])} calls) "
                   f"into run {run_id}")
+    with contextlib.suppress(Exception):  # parents of a killed `paperline repro`: not RUNNING
+        close_abandoned_parents(client, root)
     return out
 
 
@@ -760,6 +864,9 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+_PARENT_PIPELINE: dict[str, str] = {}  # parent run id -> pipeline, for a gap of its close
+
+
 def start_parent_run(root: Path, pipeline: str, tags: dict[str, str] | None = None) -> str | None:
     """Create the parent run of one pipeline execution; returns its id (None if tracking is down).
 
@@ -769,11 +876,12 @@ def start_parent_run(root: Path, pipeline: str, tags: dict[str, str] | None = No
         from mlflow import MlflowClient
 
         configure(root)
-        exp_id = experiment_id(root, pipeline)
+        exp_id = experiment_id(root, pipeline, MlflowClient())
         all_tags = {"paperline.pipeline": pipeline, "paperline.kind": "pipeline",
                     "git.commit": git_commit(root)}
         all_tags.update(tags or {})
         run = MlflowClient().create_run(exp_id, tags=all_tags, run_name=f"{pipeline}-pipeline")
+        _PARENT_PIPELINE[run.info.run_id] = pipeline
         return run.info.run_id
     except Exception as exc:
         log.warning("MLflow tracking unavailable (parent run): %s", exc)
@@ -781,15 +889,58 @@ def start_parent_run(root: Path, pipeline: str, tags: dict[str, str] | None = No
 
 
 def end_parent_run(root: Path, run_id: str | None, ok: bool) -> None:
+    """Close the parent run, FINISHED or FAILED, and mark its runs still RUNNING as KILLED
+    (`close_run`). MLflow unreachable: the close is recorded as a gap, and `paperline tracking
+    sync` (or the next `paperline repro`) does it with this end time: no run is left RUNNING."""
     if not run_id:
         return
+    status, end_ms = ("FINISHED" if ok else "FAILED"), _now_ms()
     try:
         from mlflow import MlflowClient
 
         configure(root)
-        MlflowClient().set_terminated(run_id, status="FINISHED" if ok else "FAILED")
+        close_run(MlflowClient(), run_id, status, end_ms)
     except Exception as exc:
-        log.warning("MLflow tracking unavailable (end parent run): %s", exc)
+        error = _redact(f"{type(exc).__name__}: {exc}")
+        pipeline = _PARENT_PIPELINE.get(run_id, "pipeline")
+        uri = _safe_uri()
+        path = write_gap(root, {
+            "stage_run_id": uuid.uuid4().hex, "run_id": run_id, "experiment": pipeline,
+            "run_name": f"{pipeline}-pipeline", "tracking_uri": uri, "store": store_of(root, uri),
+            "tags": {}, "params": {}, "started_ms": end_ms,
+            "recorded": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "failed_at": "end_parent_run", "error": error[:500],
+            "ops": [{"op": "end", "status": status, "end_ms": end_ms}, {"op": "close_children"}]})
+        log.warning("MLflow tracking unavailable (end parent run): %s; the close (%s) is recorded "
+                    "in %s: `paperline tracking sync` replays it", error[:200], status, path)
+
+
+def close_run(client: Any, run_id: str, status: str, end_ms: int | None = None) -> int:
+    """Terminate `run_id` with `status`, and every run below it (stage runs, their method runs)
+    that is still RUNNING as KILLED: when a parent closes, the processes that would have closed
+    them are gone (a stage killed mid-run, a retry that was restored from the cache instead).
+    Returns how many runs below were killed."""
+    client.set_terminated(run_id, status=status, end_time=end_ms)
+    return kill_running_children(client, run_id, end_ms)
+
+
+def kill_running_children(client: Any, run_id: str, end_ms: int | None = None) -> int:
+    exp_id = client.get_run(run_id).info.experiment_id
+    todo, killed = [run_id], 0
+    while todo:
+        below = client.search_runs([exp_id], f"tags.mlflow.parentRunId = '{todo.pop()}'",
+                                   max_results=5000)
+        for run in below:
+            todo.append(run.info.run_id)
+            if run.info.status in ("RUNNING", "SCHEDULED"):
+                client.set_terminated(run.info.run_id, status="KILLED", end_time=end_ms)
+                client.set_tag(run.info.run_id, "paperline.closed_by",
+                               "its parent run closed while it was still running")
+                killed += 1
+    if killed:
+        log.warning("%d run(s) under %s were still RUNNING when it closed: marked KILLED",
+                    killed, run_id)
+    return killed
 
 
 class MethodRun:

@@ -147,6 +147,7 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     arms = sorted(d.name for d in rdir.iterdir() if d.is_dir())
     budgets = sorted({float(d.name[1:]) for a in arms for d in (rdir / a).iterdir()})
     rows: list[dict[str, Any]] = []
+    hparams: dict[tuple[str, float], dict[str, Any]] = {}  # (method, budget) -> its settings
     for split in TESTS:
         _, r, c, _ = data[split]
         for name, p in (("always_direct", 0.0), ("always_reasoning", 1.0)):
@@ -157,6 +158,8 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     for budget in budgets:
         q = random_share(c_tr, budget)
         t = threshold_at_budget(ridge_predict(w, x_tr), c_tr, budget)
+        hparams[("random", budget)] = {"reasoning_share": q}
+        hparams[("threshold", budget)] = {"ridge": cfg.ridge, "threshold": t}
         for split in TESTS:
             x, r, c, _ = data[split]
             for name, p in (("random", np.full(len(r), q)),
@@ -168,6 +171,9 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
             folder = rdir / arm / f"C{budget:g}"
             for seed_dir in sorted(folder.iterdir()):
                 model = load_router(seed_dir)
+                conf = json.loads((seed_dir / "config.json").read_text())
+                hparams[(arm, budget)] = {k: conf[k] for k in ("tau_r", "tau_c", "beta",
+                                                                "hidden", "layers")}
                 for split in TESTS:
                     x, r, c, _ = data[split]
                     acc, cost = evaluate_policy(router_probs(model, x).astype(float), r, c)
@@ -175,6 +181,7 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
                                  "seed": int(seed_dir.name[4:]), "split": split,
                                  "acc": acc, "cost": cost})
     frame = pl.DataFrame(rows)
+    log_method_runs(ctx, rows, hparams)
     m = summarize(frame, cfg)
     _, r_claim, _, _ = data[cfg.claim_split]
     m |= judge_claim(r_claim, cfg.paper_reasoning_gain)
@@ -189,6 +196,24 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     with io.atomic_path(plot) as tmp:
         curve.write_csv(tmp)
     return m
+
+
+def log_method_runs(ctx: Any, rows: list[dict[str, Any]],
+                    hparams: dict[tuple[str, float], dict[str, Any]]) -> None:
+    """One MLflow run per (method, budget, seed) under this stage's run: params `method`,
+    `budget`, `seed` and the method's settings; metrics `<split>/acc`, `<split>/cost`, the same
+    set for every method, so MLflow's Compare shows methods side by side."""
+    runs: dict[tuple[str, float, int], dict[str, float]] = {}
+    for row in rows:
+        budget = None if math.isnan(row["budget"]) else row["budget"]
+        got = runs.setdefault((row["method"], budget, row["seed"]), {})
+        got[f"{row['split']}/acc"], got[f"{row['split']}/cost"] = row["acc"], row["cost"]
+    for (method, budget, seed), metrics in runs.items():
+        name = method if budget is None else f"{method}@C{budget:g}"
+        params = {"method": method, "budget": "none" if budget is None else budget, "seed": seed,
+                  **hparams.get((method, budget), {})}
+        with ctx.method_run("evaluate", name, seed, params=params) as run:
+            run.log_metrics(metrics)
 
 
 def paired_values(frame: Any, method: str, baseline: str, split: str, col: str

@@ -86,3 +86,28 @@ def test_evaluate_readme_and_registry(racer_repo: Path):
 def test_second_repro_of_the_pipeline_does_nothing(racer_repo: Path):
     out = dvc(racer_repo, "repro", str(P / "dvc.yaml")).stdout
     assert "Running stage" not in out, out[-2000:]
+
+
+def test_methods_side_by_side_in_mlflow(racer_repo: Path):
+    """MLflow's own Compare view: a run per (method, budget, seed) with the same metric set and
+    the method's params; the parent run carries the results table, plots and metrics."""
+    client = mlflow_client(racer_repo)
+    exp = client.get_experiment_by_name("racer")
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"  # not GenAI
+    runs = client.search_runs([exp.experiment_id], max_results=1000)
+    methods = [r for r in runs if r.data.tags.get("paperline.stage") == "evaluate"
+               and r.data.tags.get("paperline.method")]
+    common = {"test_iid/acc", "test_iid/cost", "test_hard/acc", "test_hard/cost"}
+    assert methods and all(set(r.data.metrics) == common for r in methods)
+    erm = [r for r in methods if r.data.params["method"] == "erm"]
+    assert sorted((r.data.params["budget"], r.data.params["seed"]) for r in erm) == [
+        (b, s) for b in ("1.3", "1.5") for s in ("0", "1")]  # smoke: 2 budgets x 2 seeds
+    assert all("tau_r" in r.data.params for r in erm)
+    assert {r.data.params["method"] for r in methods} >= {"always_direct", "random",
+                                                          "threshold", "racer", "erm"}
+    parent = [r for r in runs if r.data.tags.get("paperline.kind") == "pipeline"]
+    assert parent, "no parent run"
+    latest = max(parent, key=lambda r: r.info.start_time)
+    assert "evaluate/claim/racer_acc_vs_erm/verdict" in latest.data.metrics
+    files = {f.path for f in client.list_artifacts(latest.info.run_id)}
+    assert "results.md" in files and "plots" in files, files

@@ -96,7 +96,11 @@ def test_stack_runs_a_deployment_from_the_api(tmp_path, monkeypatch, capsys):
         with httpx.Client(base_url=api, timeout=30) as client:
             dep = client.get("/deployments/name/paperline/paperline-base").json()
             assert dep["parameters"]["pipeline"] == "base"
-            resp = client.post(f"/deployments/{dep['id']}/create_flow_run", json={})
+            form = dep["parameter_openapi_schema"]["properties"]
+            assert {"profile", "force", "targets"} <= set(form)
+            # what the UI's run form sends: typed parameters of the flow
+            resp = client.post(f"/deployments/{dep['id']}/create_flow_run",
+                               json={"parameters": {"profile": "smoke", "force": False}})
             resp.raise_for_status()
             flow_run_id = resp.json()["id"]
             deadline = time.monotonic() + 420
@@ -114,6 +118,12 @@ def test_stack_runs_a_deployment_from_the_api(tmp_path, monkeypatch, capsys):
                 "sort": "TIMESTAMP_DESC"}).json()
             warnings = "\n".join(x["message"] for x in reversed(logs)
                                  if x["level"] >= 30 or "MLflow" in x["message"])
+            artifacts = client.post("/artifacts/filter", json={
+                "artifacts": {"flow_run_id": {"any_": [flow_run_id]}}}).json()
+            assert [a["key"] for a in artifacts] == ["base-results"], warnings
+            if real:  # the pipeline's own results table, rendered from its metrics
+                assert "## Results (profile `smoke`)" in artifacts[0]["data"]
+                assert "_No results table" not in artifacts[0]["data"], artifacts[0]["data"]
 
         from mlflow import MlflowClient
 
