@@ -96,14 +96,19 @@ def paired_ci(a: Sequence[float], b: Sequence[float], *, method: Literal["t", "b
               draws: int = 2000, seed: int = 0) -> tuple[float, float, float]:
     """(mean of a_i - b_i, 95% CI low, high) over paired values (same seed / problem on both
     sides). `t`: the t interval (few pairs, e.g. seeds); `bootstrap`: the percentile bootstrap of
-    the mean difference, resampling pairs (many pairs). One pair: (d, NaN, NaN)."""
+    the mean difference, resampling pairs (many pairs). One pair: (d, NaN, NaN). Identical
+    differences (e.g. one more test prompt right on every seed) have no spread: both intervals
+    collapse to the point d and would call it certain from as few as two pairs. Then the exact
+    sign test decides instead: n equal-signed pairs exclude 0 at 5% only when 2 * 0.5^n < 0.05,
+    i.e. n >= 6 (the point interval is kept); with fewer there is no interval (NaN bounds: the
+    verdict is inconclusive)."""
     if len(a) != len(b) or not a:
         raise ValueError(f"a paired CI needs two equally long non-empty lists, got {len(a)} and "
                          f"{len(b)} values")
     d = [x - y for x, y in zip(a, b)]
     n = len(d)
     mean = sum(d) / n
-    if n < 2:
+    if n < 2 or (all(x == d[0] for x in d) and 2 * 0.5 ** n >= 0.05):
         return mean, math.nan, math.nan
     if method == "bootstrap":
         rng = random.Random(seed)

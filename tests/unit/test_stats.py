@@ -125,3 +125,19 @@ def test_claim_metrics_round_trip_without_nan():
     assert back.diff == 0.25 and math.isnan(back.low) and back.paper_effect is None
     assert back.sentence() == "**inconclusive**: +0.250 [n/a, n/a] over 1 pairs; MDE n/a"
     assert stats.read_claim({}, "x") is None
+
+
+def test_identical_differences_get_no_interval_and_no_verdict():
+    # hsir at cpu: h_grpo one prompt (0.01) below grpo on each of 3 seeds; the t interval of
+    # three equal differences is a point, which would call the difference certain
+    c = stats.claim([0.42, 0.43, 0.42], [0.43, 0.44, 0.43], direction=1, paper_effect=0.05)
+    assert c.diff == pytest.approx(-0.01)
+    assert math.isnan(c.low) and math.isnan(c.high)
+    assert c.verdict == 0
+    mean, low, high = stats.paired_ci([1.0, 2.0], [0.5, 1.5], method="bootstrap")
+    assert mean == 0.5 and math.isnan(low) and math.isnan(high)
+    # six equal-signed pairs pass the exact sign test (2 * 0.5**6 < 0.05): the point stands
+    assert stats.paired_ci([1.0] * 6, [0.5] * 6) == (0.5, 0.5, 0.5)
+    assert math.isnan(stats.paired_ci([1.0] * 5, [0.5] * 5)[1])
+    # one differing pair is enough spread for an interval
+    assert stats.claim([0.42, 0.43, 0.44], [0.43, 0.44, 0.43]).low < 0
