@@ -126,7 +126,7 @@ def main() -> None:
         "`paperline repro` spool their tracking and the parent replays it after `dvc repro` "
         "(stages/core/tracking.py), the parent run is created only when a stage ran, and a "
         "params check is skipped when neither params nor stage code changed since the last "
-        "successful one (flows/cli.py `_check_key`).",
+        "successful one (stages/core/runner.py `check_key`), also in the stage processes.",
     ])
     print(body)
     if args.write:

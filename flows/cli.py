@@ -55,33 +55,21 @@ def _check(root: Path, pipeline: str, *, device: bool = True) -> None:
     """Every stage's params; `device`: also $PAPERLINE_DEVICE, which only matters where the
     stages run (not for a `--distributed` controller: workers keep their own environment)."""
     from stages.core.config import active_profile, read_yaml
-    from stages.core.runner import build_context, pipeline_dir, validate_pipeline
+    from stages.core.runner import (
+        build_context,
+        check_key,
+        checked_before,
+        mark_checked,
+        validate_pipeline,
+    )
 
-    key = _check_key(root, pipeline_dir(root, pipeline), device)
-    stamp = root / ".paperline" / "cache" / "params-valid" / pipeline
-    if stamp.is_file() and stamp.read_text() == key:
-        return  # same params, same code as the last successful check
+    key = check_key(root, pipeline, device=device)
+    if checked_before(root, pipeline, key):
+        return  # same params, same stage code as the last check that passed
     ctx, params, source = build_context(root, pipeline, "check")
     validate_pipeline(pipeline, params, active_profile(read_yaml(root / "params.yaml")), source,
-                      check_device=device)
-    from stages.core import io
-
-    io.write_text(stamp, key)
-
-
-def _check_key(root: Path, pdir: Path, device: bool) -> str:
-    """What a params check depends on: the params files and every stage module (by path, size
-    and mtime, cheap to read): validating means importing every stage module of the pipeline
-    (torch among them), most of a no-op `paperline repro`'s own time."""
-    import hashlib
-
-    h = hashlib.sha256(f"{device}:{os.environ.get('PAPERLINE_DEVICE', '')}".encode())
-    for f in (root / "params.yaml", pdir / "params.yaml"):
-        h.update(f.read_bytes() if f.is_file() else b"-")
-    for f in sorted((root / "stages").rglob("*.py")):
-        st = f.stat()
-        h.update(f"{f.relative_to(root)}:{st.st_size}:{st.st_mtime_ns}".encode())
-    return h.hexdigest()
+                      check_device=device, root=root)
+    mark_checked(root, pipeline, key)
 
 
 def cmd_list(args: argparse.Namespace) -> int:

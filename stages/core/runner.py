@@ -168,12 +168,49 @@ def validate_pipeline(pipeline: str, params: dict[str, Any], profile: str, sourc
     return configs
 
 
+def check_key(root: Path, pipeline: str, *, device: bool = True) -> str:
+    """What a whole-pipeline params check depends on: every params file of the repo (a shared
+    stage checks every pipeline) and every stage module, by path, size and mtime (cheap to read),
+    plus $PAPERLINE_DEVICE. Validating means importing every stage module (torch among them):
+    most of a small stage's start-up, and of a no-op `paperline repro`, so a check that passed is
+    not repeated until one of these changes."""
+    import hashlib
+
+    h = hashlib.sha256(f"{pipeline}:{device}:{os.environ.get('PAPERLINE_DEVICE', '')}".encode())
+    for f in [root / "params.yaml", *sorted((root / "pipelines").glob("*/params.yaml"))]:
+        h.update(str(f.relative_to(root)).encode())
+        h.update(f.read_bytes() if f.is_file() else b"-")
+    for f in sorted((root / "stages").rglob("*.py")):
+        st = f.stat()
+        h.update(f"{f.relative_to(root)}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()
+
+
+def _check_stamp(root: Path, pipeline: str) -> Path:
+    return root / ".paperline" / "cache" / "params-valid" / pipeline
+
+
+def checked_before(root: Path, pipeline: str, key: str) -> bool:
+    stamp = _check_stamp(root, pipeline)
+    return stamp.is_file() and stamp.read_text() == key
+
+
+def mark_checked(root: Path, pipeline: str, key: str) -> None:
+    io.write_text(_check_stamp(root, pipeline), key)
+
+
 def run_stage(pipeline: str, stage: str, *, check_only: bool = False,
               root: Path | None = None) -> dict[str, float]:
     root = root or find_root()
     module = load_module(pipeline, stage)  # unknown names fail here, with a suggestion
     ctx, params, source = build_context(root, pipeline, stage)
-    configs = validate_pipeline(pipeline, params, ctx.profile, source, root=root)
+    key = check_key(root, pipeline)
+    if not check_only and checked_before(root, pipeline, key):  # only this stage's section
+        check_device_env()
+        configs = {stage: validate_section(module.Config, params, stage, ctx.profile, source)}
+    else:
+        configs = validate_pipeline(pipeline, params, ctx.profile, source, root=root)
+        mark_checked(root, pipeline, key)
     cfg = configs[stage]
     if check_only:
         print(f"{pipeline}: params of {len(configs)} stages are valid (profile {ctx.profile})")
