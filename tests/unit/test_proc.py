@@ -41,7 +41,7 @@ def _gone(pid: int, timeout: float) -> bool:
     while time.monotonic() < deadline:
         try:
             raw = Path(f"/proc/{pid}/stat").read_text()
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # gone between open and read
             return True
         if raw.rsplit(")", 1)[1].split()[0] == "Z":  # exited, waiting for its (new) parent
             return True

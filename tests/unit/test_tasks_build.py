@@ -48,7 +48,7 @@ def test_config_defaults_and_nested_family_settings():
     ({"families": ["arth"]}, "unknown task family 'arth'. Did you mean 'arith'?"),
     ({"families": []}, "tasks.families = []"),
     ({"families": ["arith", "arith"]}, "list a family twice"),
-    ({"n_trian": 10}, "did you mean tasks.'n_train' instead of 'n_trian'?"),
+    ({"n_trian": 10}, "did you mean 'n_train' (tasks.n_train) instead of 'n_trian'?"),
     ({"n_train": 0}, "tasks.n_train = 0: Input should be greater than or equal to 1"),
     ({"arith": {"max_operands": 9}}, "tasks.arith.max_operands = 9"),
     ({"arith": {"min_operands": 4, "max_operands": 3}}, "min_operands (4) must be <= max_operands (3)"),
