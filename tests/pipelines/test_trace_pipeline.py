@@ -11,6 +11,7 @@ import pytest
 from stages.trace import trace
 from tests.conftest import dvc, paperline
 from tests.pipelines.test_base_pipeline import mlflow_client
+from tests.pipelines.test_same_bytes import assert_same_bytes
 
 pytestmark = pytest.mark.slow
 
@@ -82,3 +83,9 @@ def test_rl_arms_compare_readme_and_registry(trace_repo: Path):
     assert set(client.get_registered_model("trace-policy").aliases) == {"rl-acc", "rl-trace"}
     out = dvc(trace_repo, "repro", str(P / "dvc.yaml")).stdout
     assert "Running stage" not in out, out[-2000:]
+
+
+def test_a_second_clone_gives_the_same_bytes(trace_repo: Path, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch):
+    """Every stage again in a fresh clone (base shared), another PYTHONHASHSEED: same outputs."""
+    assert_same_bytes(trace_repo, "trace", str(P / "dvc.yaml"), tmp_path / "repo", monkeypatch)
