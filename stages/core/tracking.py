@@ -260,9 +260,15 @@ class StageTracker:
         self.ok = False
 
     def _record(self, op: str, **args: Any) -> None:
-        """After a failure: keep what the stage meant to log, for `paperline tracking sync`."""
-        if self.gap is not None:
-            self.gap["ops"].append({"op": op, **args})
+        """After a failure: keep what the stage meant to log, for `paperline tracking sync`.
+        Files to log (artifacts, a model to register) are kept as they are now: a stage writes
+        them in a temporary folder that is renamed, and may be rewritten, before the replay."""
+        if self.gap is None:
+            return
+        if op in ("artifacts", "register_model") and "local_dir" in args:
+            args["local_dir"] = snapshot(Path(args["local_dir"]), self.ctx.root,
+                                         self.stage_run_id, len(self.gap["ops"]))
+        self.gap["ops"].append({"op": op, **args})
 
     def __enter__(self) -> "StageTracker":
         self.mode = tracking_mode()
@@ -532,6 +538,27 @@ def main_root(root: Path) -> Path:
     if root.parent.name == "workspaces" and root.parent.parent.name == ".paperline":
         root = root.parents[2]
     return root
+
+
+def snapshot(local: Path, root: Path, stage_run_id: str, n: int) -> str:
+    """A copy of `local` (a folder or a file) under `.paperline/tracking-gaps/files/`, hard-linked
+    where the file system allows (no disk, no time: the stage writes new files, it never edits
+    them in place), removed once its gap is replayed."""
+    import shutil
+
+    local = Path(local).resolve()
+    dest = gaps_dir(root) / "files" / stage_run_id / str(n) / local.name
+    if not local.exists():
+        return str(local)  # the replay reports it as gone
+    files = [local] if local.is_file() else sorted(p for p in local.rglob("*") if p.is_file())
+    for f in files:
+        target = dest if local.is_file() else dest / f.relative_to(local)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(f, target)
+        except OSError:
+            shutil.copy2(f, target)
+    return str(dest)
 
 
 def gaps_dir(root: Path) -> Path:
@@ -835,6 +862,9 @@ def sync_gaps(root: Path, quiet: bool = False) -> dict[str, int]:
                         _redact(str(exc)))
             break
         path.unlink()
+        import shutil
+
+        shutil.rmtree(gaps_dir(root) / "files" / str(gap.get("stage_run_id")), ignore_errors=True)
         out["replayed"] += 1
         out["left"] -= 1
         if not quiet:

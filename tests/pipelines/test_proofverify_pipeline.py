@@ -6,6 +6,8 @@ the parse-failure handling must survive (counted, never a crash)."""
 
 from __future__ import annotations
 
+import math
+
 import json
 from pathlib import Path
 
@@ -74,10 +76,13 @@ def test_compare_metrics_readme_and_registry(pv_repo: Path):
     assert not any(k.startswith("claim_") for k in m)
     for rival, value in (("judge", "proof_acc"), ("genselect", "proof_acc"), ("judge", "calls")):
         c = stats.read_claim(m, f"claim/hybrid_vs_{rival}/{value}")
-        assert c is not None and c.n == N_TEST and c.low <= c.diff <= c.high
+        # identical differences over fewer than 6 problems get no interval (stats.paired_ci)
+        assert c is not None and c.n == N_TEST and (c.low <= c.diff <= c.high or math.isnan(c.low))
         assert c.sentence("{:+.1f}" if value == "calls" else "{:+.3f}") in block
     calls = stats.read_claim(m, "claim/hybrid_vs_judge/calls")
-    assert calls.diff < 0 and calls.name == "reproduced"      # 2 survivors x 2 + games < 6 x 2
+    assert calls.diff < 0                                     # 2 survivors x 2 + games < 6 x 2
+    # the same saving on every problem: reproduced once the sign test can see it (6 problems)
+    assert calls.name == ("reproduced" if N_TEST >= 6 else "inconclusive")
     for rule in ("hybrid_lenient", "majority", "random"):
         k = f"diff/hybrid_{rule}"
         assert m[f"{k}_ci_low"] <= m[f"{k}_mean"] <= m[f"{k}_ci_high"]

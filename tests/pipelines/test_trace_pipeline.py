@@ -11,7 +11,7 @@ import pytest
 from stages.trace import trace
 from tests.conftest import dvc, paperline
 from tests.pipelines.test_base_pipeline import mlflow_client
-from tests.pipelines.test_same_bytes import assert_same_bytes
+from tests.pipelines.test_same_bytes_clones import assert_same_bytes
 
 pytestmark = pytest.mark.slow
 
