@@ -40,7 +40,10 @@ def env_for(repo: Path, **extra: str) -> dict[str, str]:
     env = {**os.environ, "PYTHONPATH": str(repo), "PREFECT_HOME": str(repo / ".paperline/prefect"),
            "HF_HOME": str(repo / ".paperline/hf"), "HF_HUB_OFFLINE": "1",
            "DVC_SITE_CACHE_DIR": str(repo / ".paperline/dvc-site"),
-           "MLFLOW_DISABLE_TELEMETRY": "true", "TOKENIZERS_PARALLELISM": "false", **extra}
+           "MLFLOW_DISABLE_TELEMETRY": "true", "TOKENIZERS_PARALLELISM": "false",
+           # dvc runs `python -m stages`: this interpreter's, as `make` puts it first on PATH
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+           **extra}
     env.pop("MLFLOW_TRACKING_URI", None)
     env.pop("PAPERLINE_PARENT_RUN_ID", None)
     return env
@@ -74,19 +77,21 @@ def main() -> None:
         print(f"building {args.pipeline} at smoke in {repo} ...", flush=True)
         timed([*cli, "repro", args.pipeline], repo, env)
         dvcfile = f"pipelines/{args.pipeline}/dvc.yaml"
+        # the no-op repros first in each round: the stage runs below leave spooled records that
+        # a `paperline repro` would replay (what it is for, but not a no-op)
         cmds = {
+            "paperline_noop": ([*cli, "repro", args.pipeline], env),
+            "dvc_noop": ([dvc, "repro", dvcfile], env),
             "torch": ([py, "-c", "import torch"], env),
             "stage_spool": ([py, "-m", "stages", "base", "tasks"],
                             env_for(repo, PAPERLINE_TRACKING="spool")),
             "stage_live": ([py, "-m", "stages", "base", "tasks"], env),
-            "paperline_noop": ([*cli, "repro", args.pipeline], env),
-            "dvc_noop": ([dvc, "repro", dvcfile], env),
         }
         times: dict[str, list[float]] = {k: [] for k in cmds}
         for i in range(args.repeats):
             for name, (cmd, e) in cmds.items():
                 times[name].append(timed(cmd, repo, e))
-            shutil.rmtree(repo / ".paperline/tracking-gaps", ignore_errors=True)  # the spooled
+            shutil.rmtree(repo / ".paperline/tracking-gaps", ignore_errors=True)  # spooled above
             print(f"repeat {i + 1}/{args.repeats}: " +
                   ", ".join(f"{k} {v[-1]:.2f}s" for k, v in times.items()), flush=True)
         med = {k: statistics.median(v) for k, v in times.items()}

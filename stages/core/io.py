@@ -137,12 +137,24 @@ def clean_stale_tmp_in(paths: Iterable[str | os.PathLike[str]]) -> int:
 def clean_repo_tmp(root: str | os.PathLike[str]) -> int:
     """`clean_stale_tmp_in` over every output DVC knows in the repo (every pipeline's outs,
     metrics and plots): what `paperline repro` / `paperline run` remove before they start, since a
-    stage restored from the cache never starts to remove them itself."""
-    from dvc.repo import Repo
+    stage restored from the cache never starts to remove them itself.
+
+    The outputs are read from the `dvc.lock` files (paths relative to each lock's folder), not
+    from DVC's index: building the index of every pipeline took most of a no-op `paperline
+    repro`. A stage that never completed has no lock entry; its own start cleans its outputs
+    (stages/core/runner.py)."""
+    import yaml
 
     root = Path(root).resolve()
-    with Repo(str(root)) as repo:
-        outs = [Path(o.fs_path) for o in repo.index.outs]
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    outs = []
+    for lock in [root / "dvc.lock", *sorted((root / "pipelines").glob("*/dvc.lock"))]:
+        if not lock.is_file():
+            continue
+        data = yaml.load(lock.read_text(), Loader=loader) or {}
+        for stage in (data.get("stages") or {}).values():
+            for out in stage.get("outs") or []:
+                outs.append((lock.parent / out["path"]).resolve())
     return clean_stale_tmp_in(p for p in outs if p.is_relative_to(root))
 
 
