@@ -28,7 +28,10 @@ def ran(output: str) -> set[str]:
 def mlflow_client(repo: Path):
     from mlflow import MlflowClient
 
-    return MlflowClient(tracking_uri=f"sqlite:///{repo / '.paperline' / 'mlflow' / 'mlflow.db'}")
+    uri = f"sqlite:///{repo / '.paperline' / 'mlflow' / 'mlflow.db'}"
+    # the registry too: MlflowClient falls back to mlflow's process-wide registry URI, which an
+    # earlier test in this worker may have pointed at its own store
+    return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 
 def test_repro_builds_every_output(smoke_repo: Path):

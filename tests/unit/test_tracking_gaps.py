@@ -112,6 +112,19 @@ def _spooled_stage(root: Path, stage: str, parent: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.fixture(autouse=True)
+def _mlflow_uris_restored():
+    """`sync_gaps` points mlflow's process-wide tracking and registry URIs at its store (as a
+    `paperline` command should); a test must not leave them at its temporary store for the
+    next test of this worker."""
+    import mlflow.tracking._model_registry.utils as registry
+    import mlflow.tracking._tracking_service.utils as tracking_service
+
+    saved = tracking_service._tracking_uri, registry._registry_uri
+    yield
+    tracking_service._tracking_uri, registry._registry_uri = saved
+
+
 def test_spooled_stages_touch_no_mlflow_and_replay_under_one_parent(tmp_path, monkeypatch):
     from mlflow import MlflowClient
 
