@@ -85,7 +85,9 @@ def test_compare_metrics_readme_and_registry(pv_repo: Path):
     assert calls.name == ("reproduced" if N_TEST >= 6 else "inconclusive")
     for rule in ("hybrid_lenient", "majority", "random"):
         k = f"diff/hybrid_{rule}"
-        assert m[f"{k}_ci_low"] <= m[f"{k}_mean"] <= m[f"{k}_ci_high"]
+        low, mean, high = m[f"{k}_ci_low"], m[f"{k}_mean"], m[f"{k}_ci_high"]
+        # NaN bounds: identical differences on too few problems for the sign test (stats)
+        assert low <= mean <= high or (math.isnan(low) and math.isnan(high))
     assert f"random pick {m['diff/hybrid_random_mean']:+.3f}" in block
 
     # simulated-oracle mode (smoke: budgets 4, 16, 64 over pools of 16): no arm spends more
