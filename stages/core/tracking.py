@@ -129,8 +129,20 @@ def configure(root: Path) -> str:
         os.environ.setdefault(key, value)
     apply_mlflow_env(root)  # S3 storage configured: artifacts of S3 experiments reach the store
     uri = tracking_uri(root)
-    mlflow.set_tracking_uri(uri)
-    mlflow.set_registry_uri(uri)
+    # mlflow.set_*_uri also export MLFLOW_TRACKING_URI / MLFLOW_REGISTRY_URI to os.environ "for
+    # subprocesses"; `tracking_uri` reads that variable as the user's choice, so one process that
+    # configures two repos (a Prefect worker, a test session) would log the second into the first
+    # repo's store. Keep the environment as the user set it; stage processes get theirs explicitly.
+    saved = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
+    try:
+        mlflow.set_tracking_uri(uri)
+        mlflow.set_registry_uri(uri)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     return uri
 
 

@@ -183,3 +183,24 @@ def test_tracking_mode_is_checked():
     assert tracking.tracking_mode({"PAPERLINE_TRACKING": "Spool"}) == "spool"
     with pytest.raises(ValueError, match="PAPERLINE_TRACKING"):
         tracking.tracking_mode({"PAPERLINE_TRACKING": "spooled"})
+
+
+def test_configure_one_repo_does_not_steer_the_next(tmp_path, monkeypatch):
+    """mlflow.set_tracking_uri exports MLFLOW_TRACKING_URI; `configure` must not leave it set, or a
+    process that runs two repos (a Prefect worker) logs the second into the first's store."""
+    import mlflow
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_REGISTRY_URI", raising=False)
+    saved = mlflow.get_tracking_uri(), mlflow.get_registry_uri()
+    try:
+        first = tracking.configure(tmp_path / "a")
+        assert mlflow.get_tracking_uri() == first == tracking.embedded_uri(tmp_path / "a")
+        assert "MLFLOW_TRACKING_URI" not in __import__("os").environ
+        assert tracking.tracking_uri(tmp_path / "b") == tracking.embedded_uri(tmp_path / "b")
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:1")  # the user's choice wins
+        assert tracking.configure(tmp_path / "b") == "http://127.0.0.1:1"
+        assert __import__("os").environ["MLFLOW_TRACKING_URI"] == "http://127.0.0.1:1"
+    finally:
+        mlflow.set_tracking_uri(saved[0])
+        mlflow.set_registry_uri(saved[1])
