@@ -649,17 +649,21 @@ def _replay(client: Any, gap: dict[str, Any], root: Path | None = None) -> str:
         elif kind == "metrics":
             _log_new_metrics(client, run_id, op["metrics"], op["timestamp"], op["step"])
         elif kind == "artifacts":
+            # a replay repeated after its snapshot was removed: done already if logged
             if not Path(op["local_dir"]).exists():
+                if client.list_artifacts(run_id, op["artifact_path"]):
+                    continue
                 raise GapNotReady(f"{op['local_dir']} is gone: its artifacts cannot be logged")
             client.log_artifacts(run_id, op["local_dir"], op["artifact_path"])
         elif kind == "register_model":
+            if _registered(client, run_id, op["name"], op["artifact_path"]):
+                continue  # registered by an earlier replay (its snapshot may be gone since)
             local = Path(op["local_dir"])
             sha = op["tags"].get("paperline.model_sha")
             if not local.exists() or (sha and model_fingerprint(local) != sha):
                 raise GapNotReady(f"{local} is gone or changed since the stage ran: model "
                                   f"{op['name']} would be registered from other weights")
-            if not _registered(client, run_id, op["name"], op["artifact_path"]):
-                _register(client, run_id, **{k: v for k, v in op.items() if k != "op"})
+            _register(client, run_id, **{k: v for k, v in op.items() if k != "op"})
         elif kind == "annotate_model":
             if _annotate(client, op["sha"], op["metrics"]) == 0:
                 raise GapNotReady(f"no registered model version has sha {op['sha']} yet")

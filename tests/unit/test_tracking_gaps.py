@@ -59,9 +59,19 @@ def test_replay_registers_every_arm_once_and_refuses_changed_weights(tmp_path, c
         assert sorted(v.source.rsplit("/", 1)[-1] for v in versions) == ["erm", "racer"]
     assert client.get_model_version_by_alias("router", "racer").run_id == run_id
 
-    (arms["erm"] / "config.json").write_text('{"arm": "retrained"}')
+    # once registered, a repeated replay needs no files (its snapshot may be removed since)
+    for d in arms.values():
+        (d / "config.json").unlink()
+    tracking._replay(client, gap)
+    assert len(client.search_model_versions("name = 'router'")) == 2
+
+    # a first replay of weights that changed since the stage ran is refused
+    late = client.create_run(exp, tags={"paperline.stage_run_id": "s2"}).info.run_id
+    d = _model_dir(tmp_path / "late", '{"arm": "late"}')
+    op = dict(ops[0], local_dir=str(d), tags={"paperline.model_sha": tracking.model_fingerprint(d)})
+    (d / "config.json").write_text('{"arm": "retrained"}')
     with pytest.raises(tracking.GapNotReady, match="gone or changed"):
-        tracking._replay(client, gap)
+        tracking._replay(client, dict(gap, run_id=late, stage_run_id="s2", ops=[op]))
 
 
 def test_replay_does_not_overwrite_a_retry_that_finished_the_run(tmp_path, client):
