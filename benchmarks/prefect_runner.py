@@ -7,8 +7,10 @@
    amount of work (calibrated to `--busy-seconds` on one core), joined by a trivial last stage.
    Two fresh copies of the same repo: `dvc repro` in one, `run_pipeline(max_parallel=...)` in the
    other; speedup = sequential wall time / Prefect wall time.
-2. Overhead: a chain of `--chain` trivial stages (no parallelism to gain): overhead per stage =
-   (Prefect wall time - `dvc repro` wall time) / stages.
+2. Overhead: chains of `--chain` and 2 x `--chain` trivial stages (no parallelism to gain): the
+   wall-time ratio Prefect / `dvc repro` on the shorter chain, and the per-stage cost of each
+   (the slope between the two chain lengths), which separates what a run pays once (flow start,
+   DVC plan, MLflow parent run, final restore) from what each further stage costs.
 
 The Prefect server (started once, SQLite in a temporary folder) is not part of the timings; the
 Prefect wall time is the whole `run_pipeline` call (plan from DVC, workspaces, final restore).
@@ -156,10 +158,16 @@ def main() -> int:
             seq_a = sequential(make_repo(work / "wide-seq", [*branches, join]))
             pre_a = prefect(make_repo(work / "wide-prefect", [*branches, join]),
                             args.max_parallel)
-            chain = [stage("s_0", 1, [])] + [stage(f"s_{i}", 1, [f"out/s_{i - 1}.txt"])
-                                            for i in range(1, args.chain)]
-            seq_b = sequential(make_repo(work / "chain-seq", chain))
-            pre_b = prefect(make_repo(work / "chain-prefect", chain), args.max_parallel)
+            times = {}
+            for n in (args.chain, 2 * args.chain):
+                chain = [stage("s_0", 1, [])] + [stage(f"s_{i}", 1, [f"out/s_{i - 1}.txt"])
+                                                for i in range(1, n)]
+                times[n] = (sequential(make_repo(work / f"chain-seq-{n}", chain)),
+                            prefect(make_repo(work / f"chain-prefect-{n}", chain),
+                                    args.max_parallel))
+            seq_b, pre_b = times[args.chain]
+            seq_c, pre_c = times[2 * args.chain]
+            slope_seq, slope_pre = (seq_c - seq_b) / args.chain, (pre_c - pre_b) / args.chain
     finally:
         from prefect.logging.handlers import APILogHandler
 
@@ -174,8 +182,8 @@ def main() -> int:
     text = textwrap.dedent(f"""\
         ## Prefect runner
 
-        `paperline run` (flows/runner.py: a Prefect task per DVC stage, one workspace per running
-        stage, final `dvc repro` restoring from the run-cache) against a sequential `dvc repro`,
+        `paperline run` (flows/runner.py: a Prefect task per stage or chain of stages, one workspace
+        per running task, final `dvc repro` restoring from the run-cache) against a sequential `dvc repro`,
         both on fresh copies of the same synthetic repo, in one run ({os.cpu_count()} CPUs,
         load average {load_before:.1f} before the run, Python {platform.python_version()},
         {time.strftime('%Y-%m-%d')}):
@@ -185,12 +193,16 @@ def main() -> int:
         | DAG | `dvc repro` | Prefect runner (max_parallel {args.max_parallel}) | result |
         |---|---|---|---|
         | {args.branches} independent busy stages (~{args.busy_seconds:g} s of one core each) + join | {seq_a:.1f} s | {pre_a:.1f} s | speedup {seq_a / pre_a:.2f}x |
-        | chain of {args.chain} trivial stages | {seq_b:.1f} s | {pre_b:.1f} s | overhead {(pre_b - seq_b) / args.chain:.2f} s per stage |
+        | chain of {args.chain} trivial stages | {seq_b:.1f} s | {pre_b:.1f} s | {pre_b / seq_b:.2f}x the wall time |
+        | chain of {2 * args.chain} trivial stages | {seq_c:.1f} s | {pre_c:.1f} s | {pre_c / seq_c:.2f}x the wall time |
+        | each further stage of a chain (slope) | {slope_seq:.2f} s | {slope_pre:.2f} s | {slope_pre / slope_seq:.2f}x per stage |
 
-        Per stage the runner pays a `dvc repro` process in a workspace (DVC start-up, workspace
-        sync, upstream outputs restored from the run-cache) and a Prefect task run; per run, the
-        flow start, the DVC plan, the MLflow parent run and one final `dvc repro` restoring every
-        output in the main workspace. Not included: the Prefect server's start-up (none with the
+        A chain (stages that could only run one after the other) runs as one `dvc repro` in one
+        workspace (`flows.runner.chains`), so a further stage costs what it costs DVC; what the
+        runner adds is paid once per run: the flow start, the DVC plan, the MLflow parent run, a
+        workspace sync and one final `dvc repro` restoring every output in the main workspace
+        (the fixed part, about {pre_b - slope_pre * args.chain:.1f} s here against
+        {seq_b - slope_seq * args.chain:.1f} s for `dvc repro`). Not included: the Prefect server's start-up (none with the
         stack up; without a server, Prefect starts a temporary one for `paperline run`, 11-20 s
         here) and the first-ever creation of the MLflow SQLite store (about 3 s, once per repo). With 2
         cores the ideal speedup of the wide DAG is 2x; parallel branches pay off once stages

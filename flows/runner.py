@@ -1,4 +1,5 @@
-"""Run a pipeline's DVC DAG through Prefect: one task per stage, independent stages in parallel.
+"""Run a pipeline's DVC DAG through Prefect: a task per stage (or per chain of stages that can
+only run one after the other), independent stages in parallel.
 
     paperline run <pipeline> [--stage S]... [--max-parallel 2] [--retries 1] [--force]
     run_pipeline(root, "base")                      # the same, from Python
@@ -22,6 +23,14 @@ the one a sequential `dvc repro` gives. Workspaces are reused (each file-locked 
 from the cache (`cache.type = reflink,hardlink,copy`, so they cost no disk for upstream outputs)
 and run with `core.no_scm`; the main repo's DVC skips them as nested repos. A stage process runs
 with `PAPERLINE_ROOT` and `PYTHONPATH` set to its workspace, so it runs the code DVC hashed.
+
+Chains. Stages that could only run one after the other (a stage to run whose only upstream is a
+stage to run with no other downstream) form a chain (`chains`), run as ONE `dvc repro` of its
+last stage in one workspace and shown as one Prefect task (`a → b → c`); each stage keeps its
+own state and seconds in the run's table, read from DVC's messages (`chain_outcomes`). This
+pays DVC's start-up, the workspace sync and the upstream restore once per chain instead of once
+per stage; a retry of a failed chain restarts at the stage that failed (the others restore from
+the run-cache). Fan-outs, joins, GPU stages and stages DVC cannot run-cache stay on their own.
 
 Run-cache rule (what dvc.yaml files must follow so nothing is computed twice): a stage is
 run-cacheable only when it has a `cmd`, at least one dep and at least one out (metrics/plots
@@ -191,6 +200,47 @@ def load_plan(root: Path, pipeline: str, targets: list[str] | None = None,
     return plan
 
 
+def chains(plan: list[StagePlan]) -> list[list[StagePlan]]:
+    """The plan cut into the units the flow schedules, in plan order: a stage to run whose only
+    upstream in the plan is a stage to run with no other downstream joins that stage's chain.
+
+    A chain runs as ONE `dvc repro` of its last stage in one workspace (one DVC start-up, one
+    workspace sync, one upstream restore, one Prefect task), and nothing is lost: its stages
+    could only have run one after the other anyway. Stages that fan out or join, skipped stages,
+    GPU stages (they hold the GPU limit alone) and stages DVC cannot run-cache stay on their own.
+    """
+    downstream: dict[str, int] = {}
+    for s in plan:
+        for u in s.upstream:
+            downstream[u] = downstream.get(u, 0) + 1
+    by_target = {s.target: s for s in plan}
+
+    def fusable(s: StagePlan) -> bool:
+        return s.action == "run" and s.gpus == 0 and s.run_cacheable
+
+    out: list[list[StagePlan]] = []
+    chain_of: dict[str, list[StagePlan]] = {}
+    for s in plan:
+        up = by_target.get(s.upstream[0]) if len(s.upstream) == 1 else None
+        if (up is not None and fusable(s) and fusable(up) and downstream.get(up.target) == 1
+                and chain_of[up.target][-1] is up):
+            chain = chain_of[up.target]
+            chain.append(s)
+        else:
+            chain = [s]
+            out.append(chain)
+        chain_of[s.target] = chain
+    return out
+
+
+def chain_name(chain: list[StagePlan]) -> str:
+    """The Prefect task run name of a chain: its stages, shortened past three."""
+    names = [s.name for s in chain]
+    if len(names) <= 3:
+        return " → ".join(names)
+    return f"{names[0]} → … → {names[-1]} ({len(names)} stages)"
+
+
 def route_stage(stage: StagePlan, pools: dict[str, str] | None = None) -> str:
     """Where a stage runs. Without `pools` (this module's flow): "local", this flow's process, GPU
     stages under the `paperline-gpu` limit. With `pools` ({"cpu": ..., "gpu": ...}, the workers
@@ -318,10 +368,12 @@ def dvc_executable() -> str:
 
 
 def _stream(cmd: list[str], cwd: Path, env: dict[str, str], logger: Any,
-            progress_every: float = 2.0) -> tuple[int, list[str]]:
+            progress_every: float = 2.0,
+            times: list[float] | None = None) -> tuple[int, list[str]]:
     """Run `cmd`, sending each output line (stdout and stderr) to `logger` as it comes.
 
     Carriage-return updates (progress bars) are forwarded at most every `progress_every` s.
+    `times`, if given, receives the monotonic time each returned line arrived.
     """
     # the dvc process (and through it its stage, stages/core/proc.py) dies with this process
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
@@ -356,9 +408,13 @@ def _stream(cmd: list[str], cwd: Path, env: dict[str, str], logger: Any,
                     pending_progress = None
                 logger.info(text)
                 lines.append(text)
+                if times is not None:
+                    times.append(time.monotonic())
     if buf.strip():
         logger.info(buf.decode(errors="replace").rstrip())
         lines.append(buf.decode(errors="replace").rstrip())
+        if times is not None:
+            times.append(time.monotonic())
     return proc.wait(), lines
 
 
@@ -370,6 +426,35 @@ def outcome_of(lines: list[str], addressing: str) -> str:
         if line.startswith(f"Stage '{addressing}' is cached"):
             return "restored"
     return "unchanged"
+
+
+def chain_outcomes(chain: list[StagePlan], lines: list[str], times: list[float], start: float,
+                   end: float, failed: bool = False) -> dict[str, dict[str, Any]]:
+    """Per stage of a chain run as one `dvc repro`: its state from DVC's messages and its
+    seconds from the arrival of its "Running stage" line to the next stage's (or the end).
+    Failed: the last stage DVC started is `failed`, those it never reached `blocked`."""
+    marks: list[tuple[int, float]] = []  # (index in chain, time DVC started/restored it)
+    for i, s in enumerate(chain):
+        for line, t in zip(lines, times):
+            if line.startswith((f"Running stage '{s.addressing}'",
+                                f"Stage '{s.addressing}' is cached")):
+                marks.append((i, t))
+                break
+    marks.sort(key=lambda m: m[1])
+    seconds = {i: (marks[k + 1][1] if k + 1 < len(marks) else end) - (t if k else start)
+               for k, (i, t) in enumerate(marks)}
+    last = marks[-1][0] if marks else -1
+    out: dict[str, dict[str, Any]] = {}
+    for i, s in enumerate(chain):
+        if failed and i == max(last, 0):
+            state = "failed"
+        elif failed and i > last:
+            state = "blocked"
+        else:
+            state = outcome_of(lines, s.addressing)
+            state = "skipped" if state == "unchanged" else state
+        out[s.target] = {"state": state, "seconds": round(seconds.get(i, 0.0), 2)}
+    return out
 
 
 @dataclass
@@ -384,6 +469,7 @@ class _Run:
     force: bool
     stages: dict[str, StagePlan] = field(default_factory=dict)
     outs: list[str] = field(default_factory=list)  # every DVC output, relative to the root
+    partial: dict[str, dict[str, Any]] = field(default_factory=dict)  # a failed chain's stages
 
 
 _RUNS: dict[str, _Run] = {}
@@ -398,20 +484,25 @@ def _stage_env(run: _Run, ws: Path) -> dict[str, str]:
 
 
 @task(cache_policy=NO_CACHE, persist_result=False, log_prints=False)
-def _stage_task(run_key: str, target: str) -> dict[str, Any]:
+def _stage_task(run_key: str, targets: list[str]) -> dict[str, dict[str, Any]]:
+    """One chain (`chains`): a single stage, or consecutive stages run by one `dvc repro`.
+    Returns target -> {state, seconds}."""
     run = _RUNS[run_key]
-    stage = run.stages[target]
+    chain = [run.stages[t] for t in targets]
+    first, last = chain[0], chain[-1]
     logger = get_run_logger()
-    if stage.action == "skip":
-        logger.info("%s is up to date (DVC): skipped", stage.addressing)
-        return {"state": "skipped", "seconds": 0.0}
-    assert route_stage(stage) == "local"
+    if len(chain) == 1 and first.action == "skip":
+        logger.info("%s is up to date (DVC): skipped", first.addressing)
+        return {first.target: {"state": "skipped", "seconds": 0.0}}
+    assert all(route_stage(s) == "local" for s in chain)
     gpu = contextlib.nullcontext()
-    if stage.gpus:
+    if first.gpus:  # a GPU stage is never chained
         from prefect.concurrency.sync import concurrency
 
-        logger.info("waiting for %d slot(s) of concurrency limit %r", stage.gpus, GPU_LIMIT)
-        gpu = concurrency(GPU_LIMIT, occupy=stage.gpus, strict=True)
+        logger.info("waiting for %d slot(s) of concurrency limit %r", first.gpus, GPU_LIMIT)
+        gpu = concurrency(GPU_LIMIT, occupy=first.gpus, strict=True)
+    lines: list[str] = []
+    times: list[float] = []
     with gpu, run.pool.slot() as ws:
         started = time.monotonic()  # the stage's own time, not its wait for a slot
         sync_workspace(run.root, ws, run.files, run.cache_dir)
@@ -419,23 +510,27 @@ def _stage_task(run_key: str, target: str) -> dict[str, Any]:
         env = _stage_env(run, ws)
         dvc = dvc_executable()
         logger.info("workspace %s", ws.relative_to(run.root))
-        lines: list[str] = []
-        if run.force and stage.upstream:  # upstream restored (ran earlier), the stage forced
-            rc, lines = _stream([dvc, "repro", *stage.upstream], ws, env, logger)
+        if run.force and first.upstream:  # upstream restored (ran earlier), the stages forced
+            rc, _ = _stream([dvc, "repro", *first.upstream], ws, env, logger)
             if rc != 0:
-                raise RuntimeError(f"restoring upstream of {stage.name} failed (exit {rc})")
-        cmd = [dvc, "repro", stage.target]
+                raise RuntimeError(f"restoring upstream of {first.name} failed (exit {rc})")
+            started = time.monotonic()
         if run.force:
-            cmd += ["--force", "--single-item"]
-        rc, out = _stream(cmd, ws, env, logger)
-        lines += out
+            cmd = [dvc, "repro", "--force", "--single-item", *targets]
+        else:
+            cmd = [dvc, "repro", last.target]  # DVC runs the chain, upstream from the run-cache
+        rc, lines = _stream(cmd, ws, env, logger, times=times)
+    results = chain_outcomes(chain, lines, times, started, time.monotonic(), failed=rc != 0)
+    for target, result in results.items():  # a retry restores what its first attempt ran
+        before = run.partial.get(target)
+        if before and before["state"] == "ran" and result["state"] in ("restored", "skipped"):
+            results[target] = before
     if rc != 0:
+        run.partial.update(results)
         tail = "\n".join(lines[-5:])
-        raise RuntimeError(f"stage {stage.name}: `dvc repro {stage.target}` failed (exit {rc}) "
+        raise RuntimeError(f"{chain_name(chain)}: `{' '.join(cmd[1:])}` failed (exit {rc}) "
                            f"in {ws.relative_to(run.root)}:\n{tail}")
-    state = outcome_of(lines, stage.addressing)
-    return {"state": "skipped" if state == "unchanged" else state,
-            "seconds": round(time.monotonic() - started, 2)}
+    return results
 
 
 @task(cache_policy=NO_CACHE, persist_result=False, task_run_name="dvc repro (main workspace)")
@@ -614,27 +709,39 @@ def _pipeline_flow(repo: Path, pipeline: str, targets: list[str] | None, max_par
     failed: list[str] = []
     ok = False
     try:
-        futures: dict[str, Any] = {}
-        # A thread per stage: in Prefect 3 a task waiting on `wait_for` (or on the GPU limit)
+        futures: dict[str, Any] = {}  # stage target -> the future of its chain
+        units = chains(plan)
+        # A thread per chain: in Prefect 3 a task waiting on `wait_for` (or on the GPU limit)
         # holds its thread, so a pool of `max_parallel` threads would leave ready branches idle.
         # `max_parallel` bounds what matters, the stage processes (workspaces) running at once.
-        with ThreadPoolTaskRunner(max_workers=max(len(plan), 1)) as runner:
-            for s in plan:
-                t = _stage_task.with_options(name=s.name, task_run_name=s.name,
+        with ThreadPoolTaskRunner(max_workers=max(len(units), 1)) as runner:
+            for chain in units:
+                name = chain_name(chain)
+                t = _stage_task.with_options(name=name, task_run_name=name,
                                              retries=retries, retry_delay_seconds=1)
-                futures[s.target] = runner.submit(
-                    t, {"run_key": key, "target": s.target},
-                    wait_for=[futures[u] for u in s.upstream])
-            for s in plan:
-                futures[s.target].wait()
-                state = futures[s.target].state
-                if state.is_completed():
-                    summary[s.name] = state.result()
-                elif state.is_failed() or state.is_crashed():
-                    summary[s.name] = {"state": "failed", "seconds": 0.0,
-                                       "error": str(state.message)}
-                else:  # upstream failed: never started
-                    summary[s.name] = {"state": "blocked", "seconds": 0.0}
+                future = runner.submit(
+                    t, {"run_key": key, "targets": [s.target for s in chain]},
+                    wait_for=list({id(futures[u]): futures[u] for u in chain[0].upstream}
+                                  .values()))
+                for s in chain:
+                    futures[s.target] = future
+            for chain in units:
+                future = futures[chain[0].target]
+                future.wait()
+                state = future.state
+                for s in chain:
+                    if state.is_completed():
+                        summary[s.name] = state.result()[s.target]
+                    elif (state.is_failed() or state.is_crashed()) and s.target in run.partial:
+                        summary[s.name] = dict(run.partial[s.target])
+                        if summary[s.name]["state"] == "failed":
+                            summary[s.name]["error"] = str(state.message)
+                    elif state.is_failed() or state.is_crashed():
+                        summary[s.name] = {"state": "failed", "seconds": 0.0,
+                                           "error": str(state.message)}
+                    else:  # upstream failed: never started
+                        summary[s.name] = {"state": "blocked", "seconds": 0.0}
+        summary = {s.name: summary[s.name] for s in plan}  # plan order, chains or not
         failed = [n for n, v in summary.items() if v["state"] in ("failed", "blocked")]
         done = [s for s in plan if summary[s.name]["state"] in ("ran", "restored")]
         if done:
