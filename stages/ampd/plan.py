@@ -160,6 +160,10 @@ def solve_plan(strategies: Sequence[Strategy], cfg: PlanConfig, *,
     h_.setOptionValue("mip_rel_gap", 0.0)
     h_.setOptionValue("mip_abs_gap", 0.0)
     h_.setOptionValue("time_limit", float(time_limit_s))
+    # HiGHS's default row tolerance (1e-6) lets a continuous T overshoot its true optimum by
+    # that much, more than the tie tolerance TOL: the tie-break solve would then be infeasible.
+    for option in ("primal_feasibility_tolerance", "mip_feasibility_tolerance"):
+        h_.setOptionValue(option, 1e-10)
     inf = highspy.kHighsInf
     # in max_goodput mode a strategy whose latency breaks its SLO is not allowed at all
     x = [h_.addIntegral(lb=0, ub=0 if goodput_mode and r_pre[i] > 1 else bound[i])
@@ -169,10 +173,12 @@ def solve_plan(strategies: Sequence[Strategy], cfg: PlanConfig, *,
     h_.addConstr(sum(g[i] * (x[i] + y[i]) for i in range(n)) <= cfg.gpu_budget)
     if goodput_mode:
         t = h_.addVariable(lb=0, ub=inf)
-        h_.addConstr(sum(strategies[i].prefill_tokens_per_s * rho * x[i] for i in range(n))
-                     - cfg.prefill_tokens_per_session * t >= 0)
-        h_.addConstr(sum(strategies[i].decode_tokens_per_s * y[i] for i in range(n))
-                     - cfg.decode_tokens_per_session * (1 + h) * t >= 0)
+        # rows in sessions/s (divided by the work per session): T's coefficient is 1
+        w_pre, w_dec = cfg.prefill_tokens_per_session, cfg.decode_tokens_per_session * (1 + h)
+        h_.addConstr(sum(strategies[i].prefill_tokens_per_s * rho / w_pre * x[i]
+                         for i in range(n)) - t >= 0)
+        h_.addConstr(sum(strategies[i].decode_tokens_per_s / w_dec * y[i] for i in range(n))
+                     - t >= 0)
         h_.setObjective(t, highspy.ObjSense.kMaximize)
         objective_var = t
     else:
