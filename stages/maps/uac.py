@@ -111,14 +111,28 @@ def coverage(upper: Sequence[float], true: Sequence[float]) -> float:
     return float(np.mean(t <= u))
 
 
+def wilson_interval(hits: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a proportion: the test-set sampling noise of an empirical
+    coverage (with 150 test requests at 0.9 it is about ±0.05, wider than 1/(n_cal+1))."""
+    if n < 1 or not 0 <= hits <= n:
+        raise ValueError(f"need 0 <= hits <= n and n >= 1, got hits={hits}, n={n}")
+    phat = hits / n
+    centre = (phat + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(phat * (1 - phat) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return centre - half, centre + half
+
+
 def quality(pred: Sequence[float], true: Sequence[float], q: float,
             acc_tokens: Iterable[float] = (50, 100)) -> dict[str, float]:
-    """MAE, Acc-k, underestimation rate without UAC, coverage and worst underestimation with
-    UAC (the numbers of MAPS §2's predictor table and UAC paragraph)."""
+    """MAE, Acc-k, underestimation rate without UAC, coverage (with its Wilson 95% interval)
+    and worst underestimation with UAC (the numbers of MAPS §2's predictor table and UAC
+    paragraph)."""
     p, t = _pair(pred, true)
     up = p + q
+    hits = int(np.sum(t <= up))
+    low, high = wilson_interval(hits, len(t))
     out = {"mae": mae(p, t), "underestimate_rate": float(np.mean(t > p)),
-           "coverage": coverage(up, t),
+           "coverage": hits / len(t), "coverage_ci_low": low, "coverage_ci_high": high,
            "worst_underestimate": float(np.max(np.maximum(0.0, t - p))),
            "worst_underestimate_uac": float(np.max(np.maximum(0.0, t - up))),
            "mean_padding_uac": float(np.mean(up - t))}

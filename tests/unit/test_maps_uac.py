@@ -11,7 +11,7 @@ import pytest
 from stages.maps.predictor import NOISE_LEVELS, noise_predictions
 from stages.maps.uac import (OnlineUAC, acc_within, conformal_quantile, conformal_rank,
                              coverage, coverage_bounds, mae, min_calibration_size, quality,
-                             upper_bound)
+                             upper_bound, wilson_interval)
 
 # r_i = L_i - L̂_i; one-sided scores max(0, r) sorted: 0 0 0 2 4 5 7 9 12 20   (n = 10)
 RESIDUALS = [5, -3, 12, 0, 7, 2, -1, 9, 4, 20]
@@ -106,8 +106,11 @@ def test_quality_metrics_hand_values():
     assert m["underestimate_rate"] == 0.5            # 120 > 100 and 45 > 40
     assert m["coverage"] == coverage([110, 160, 50, 310], true) == 0.75   # 120 > 110
     assert m["worst_underestimate"] == 20.0 and m["worst_underestimate_uac"] == 10.0
+    # Wilson 95% interval of 3 successes in 4: (0.3006, 0.9544), the textbook value
+    assert (m["coverage_ci_low"], m["coverage_ci_high"]) == pytest.approx((0.3006, 0.9544), abs=1e-4)
     with pytest.raises(ValueError, match="equal length"):
         mae([1, 2], [1])
+    assert wilson_interval(0, 10)[0] == pytest.approx(0.0, abs=1e-12)
 
 
 @pytest.mark.parametrize("level, want_mae, want_acc100", [("sp7b", 56, 0.85),
