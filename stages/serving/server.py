@@ -32,6 +32,7 @@ the start of that rate's run, and is what a simulator replays.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import queue
@@ -435,11 +436,12 @@ def drive(url: str, workload: list[dict[str, Any]], rate: float,
 
 
 def measure_server(model_dir: str | Path, rates: Sequence[float], n: int, seed: int,
-                   load: LoadConfig | None = None) -> Any:
+                   load: LoadConfig | None = None, url: str | None = None) -> Any:
     """Serve `model_dir`, send the same n requests at each rate (req/s), one rate after the
     other, each closed when all its requests are answered; a polars DataFrame, one row per
     request: rate, request, scheduled_s, arrival_s, prompt_len, output_len, ttft_s, e2e_s,
-    queue_s, client_e2e_s (seconds)."""
+    queue_s, client_e2e_s (seconds). `url`: drive that running server of `model_dir` instead
+    of starting one (then `load.max_batch` / `load.threads` are the caller's business)."""
     import polars as pl
     from transformers import AutoConfig, AutoTokenizer
 
@@ -463,12 +465,15 @@ def measure_server(model_dir: str | Path, rates: Sequence[float], n: int, seed: 
     workload = make_workload(n, seed, load, [i for i in range(len(tokenizer))
                                              if i not in specials])
     rows: list[dict[str, Any]] = []
-    with ServerProcess(folder, max_batch=load.max_batch, threads=load.threads) as srv:
+    with contextlib.ExitStack() as stack:
+        if url is None:
+            url = stack.enter_context(ServerProcess(folder, max_batch=load.max_batch,
+                                                    threads=load.threads)).url
         for w in workload[:load.warmup_requests]:
-            post(srv.url, {"prompt_ids": w["prompt_ids"], "max_new_tokens": w["max_new_tokens"]},
+            post(url, {"prompt_ids": w["prompt_ids"], "max_new_tokens": w["max_new_tokens"]},
                  load.request_timeout_s)
         for rate in rates:
-            rows += drive(srv.url, workload, float(rate), load.request_timeout_s)
+            rows += drive(url, workload, float(rate), load.request_timeout_s)
     return pl.DataFrame(rows).sort("rate", "request")
 
 
