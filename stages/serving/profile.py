@@ -20,9 +20,10 @@ check 2 runs (`stages.serving.server`), with the KV cache on. Prefill: every (pr
 batch) of the grid, equal-length random prompts. Decode: every (batch, context length), one step
 on a prefilled batch, which `Engine.restore` rewinds between repeats. Transfer: a copy of that
 batch's whole KV cache (what moving it between two engines in one host costs; a simulated
-cluster link overrides it by param). Each point: `warmup` untimed runs, then the median of
-`repeats`; points run in a shuffled order so a slow spell of this shared 2-core machine does not
-bend one end of a curve.
+cluster link overrides it by param). `warmup` untimed rounds, then `repeats` timed rounds,
+each running every point once in a fresh random order; a point's time is its median over the
+rounds, so a slow spell of this shared 2-core machine lands on one round of many points rather
+than bending one end of a curve.
 
 The fit: least squares with non-negative coefficients (a negative cost per token is noise, and
 extrapolates to negative times), weighted by 1/T so it minimises relative error: times span
@@ -37,7 +38,6 @@ from __future__ import annotations
 import itertools
 import os
 import platform
-import statistics
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -195,28 +195,17 @@ def fit_transfer(n_bytes: Sequence[float],
 
 # --- measurement ---------------------------------------------------------------------------------
 
-def median_time(fn: Callable[[], Any], repeats: int, warmup: int, device: Any,
-                after: Callable[[], Any] | None = None) -> float:
-    """Median wall seconds of `fn()` over `repeats` runs after `warmup` untimed ones; `after`
-    (untimed) runs after each, e.g. to rewind a decode step."""
+def measure(model: Any, tokenizer: Any, cfg: Config, seed: int = 0) -> list[dict[str, float]]:
+    """Every grid point's median time: rows of kind (prefill | decode | transfer) and inputs.
+
+    Repeats are interleaved: round r runs every point once, in a fresh random order, and a
+    point's time is the median over rounds. On a shared machine a slow spell then lands on one
+    round of many points instead of on every repeat of a few (measured here: back-to-back
+    repeats put single points 3x off the curve). The price: every decode point's prefilled
+    batch is held at once (sum over the grid of B * l * kv_bytes_per_token; ~0.3 GB for the
+    suggested cpu grid of the 1M-param base model)."""
     import torch
 
-    sync = torch.cuda.synchronize if getattr(device, "type", "cpu") == "cuda" else (lambda: None)
-    times = []
-    for i in range(warmup + repeats):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-        if after is not None:
-            after()
-    return statistics.median(times)
-
-
-def measure(model: Any, tokenizer: Any, cfg: Config, seed: int = 0) -> list[dict[str, float]]:
-    """Every grid point's median time: rows of kind (prefill | decode | transfer) and inputs."""
     from stages.serving.engine import Engine
 
     engine = Engine(model, pad_id=tokenizer.pad_token_id)
@@ -232,29 +221,45 @@ def measure(model: Any, tokenizer: Any, cfg: Config, seed: int = 0) -> list[dict
     def prompts(batch: int, length: int) -> list[list[int]]:
         return rng.choice(vocab, size=(batch, length)).tolist()
 
-    points = [("prefill", b, n) for n in cfg.prompt_lengths for b in cfg.prefill_batches] + \
-             [("decode", b, n) for n in cfg.context_lengths for b in cfg.decode_batches]
-    rng.shuffle(points)
-    rows = []
-    for kind, b, n in points:
-        if kind == "prefill":
+    # (row, timed fn, untimed fn after it); rows carry the form's inputs.
+    points: list[tuple[dict[str, float], Callable[[], Any], Callable[[], Any] | None]] = []
+    for n in cfg.prompt_lengths:
+        for b in cfg.prefill_batches:
             ps = prompts(b, n)
-            t = median_time(lambda: engine.prefill(ps), cfg.repeats, cfg.warmup, engine.device)
-            rows.append({"kind": kind, "batch": b, "length": n, "sum_l": b * n,
-                         "sum_l2": b * n * n, "ctx_tokens": 0, "bytes": 0, "seconds": t})
-            continue
-        batch, _ = engine.prefill(prompts(b, n))
-        snap = Engine.snapshot(batch)
-        t = median_time(lambda: engine.decode(batch), cfg.repeats, cfg.warmup, engine.device,
-                        after=lambda: Engine.restore(batch, snap))
-        rows.append({"kind": kind, "batch": b, "length": n, "sum_l": 0, "sum_l2": 0,
-                     "ctx_tokens": batch.context_tokens, "bytes": 0, "seconds": t})
-        tensors = [x for kv in batch.kv_tensors() for x in kv]
-        size = sum(x.numel() * x.element_size() for x in tensors)
-        t = median_time(lambda: [x.clone() for x in tensors], cfg.repeats, cfg.warmup,
-                        engine.device)
-        rows.append({"kind": "transfer", "batch": b, "length": n, "sum_l": 0, "sum_l2": 0,
-                     "ctx_tokens": batch.context_tokens, "bytes": size, "seconds": t})
+            points.append(({"kind": "prefill", "batch": b, "length": n, "sum_l": b * n,
+                            "sum_l2": b * n * n, "ctx_tokens": 0, "bytes": 0},
+                           lambda ps=ps: engine.prefill(ps), None))
+    for n in cfg.context_lengths:
+        for b in cfg.decode_batches:
+            batch, _ = engine.prefill(prompts(b, n))
+            snap = Engine.snapshot(batch)
+            points.append(({"kind": "decode", "batch": b, "length": n, "sum_l": 0, "sum_l2": 0,
+                            "ctx_tokens": batch.context_tokens, "bytes": 0},
+                           lambda batch=batch: engine.decode(batch),
+                           lambda batch=batch, snap=snap: Engine.restore(batch, snap)))
+            tensors = [x for kv in batch.kv_tensors() for x in kv]
+            points.append(({"kind": "transfer", "batch": b, "length": n, "sum_l": 0, "sum_l2": 0,
+                            "ctx_tokens": batch.context_tokens,
+                            "bytes": sum(x.numel() * x.element_size() for x in tensors)},
+                           lambda tensors=tensors: [x.clone() for x in tensors], None))
+
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    times: list[list[float]] = [[] for _ in points]
+    for rnd in range(cfg.warmup + cfg.repeats):
+        for i in rng.permutation(len(points)):
+            _, fn, after = points[i]
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            if rnd >= cfg.warmup:
+                times[i].append(time.perf_counter() - t0)
+            if after is not None:
+                after()
+    rows = []
+    for (row, _, _), ts in zip(points, times):
+        q1, med, q3 = np.quantile(ts, [0.25, 0.5, 0.75])
+        rows.append({**row, "seconds": float(med), "iqr_seconds": float(q3 - q1)})
     return rows
 
 
