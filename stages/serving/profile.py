@@ -303,6 +303,40 @@ def fit_profile(rows: list[dict[str, float]], cfg: Config, kv_bytes: int,
     return profile.model_dump(), fitted
 
 
+def fit_iterations(iterations: Sequence[dict[str, float]], like: dict[str, Any],
+                   name: str | None = None) -> dict[str, Any]:
+    """The prefill and decode forms refitted on a server's own iteration log (GET /iterations
+    of `stages.serving.server`: kind, batch, sum_l, sum_l2, ctx_tokens, seconds); the other
+    fields are copied from the profile `like`.
+
+    What it is for (check 2): replaying a trace with this profile instead of the measured one
+    separates the simulator's scheduling error from the latency model's error. On this shared
+    machine the server's iterations ran ~1.7x the profile's prediction under load while a
+    one-request-at-a-time A/B gave equal step times, i.e. the gap was CPU contention (driver,
+    other tenants), not the engine."""
+    pre = [r for r in iterations if r["kind"] == "prefill"]
+    dec = [r for r in iterations if r["kind"] == "decode"]
+    if len({r["sum_l"] for r in pre}) < 3 or len({r["batch"] for r in dec}) < 2:
+        raise ValueError(f"fit_iterations: {len(pre)} prefill / {len(dec)} decode iterations "
+                         "with too few distinct sizes (need >= 3 prompt-token totals and >= 2 "
+                         "batch sizes)")
+    p, p_fit = fit_prefill([r["sum_l"] for r in pre], [r["sum_l2"] for r in pre],
+                           [r["seconds"] for r in pre])
+    d, d_fit = fit_decode([r["batch"] for r in dec], [r["ctx_tokens"] for r in dec],
+                          [r["seconds"] for r in dec])
+    fit = {f"{form}_{stat}": value for form, stats in (("prefill", p_fit), ("decode", d_fit))
+           for stat, value in stats.items()}
+    fit.update(prefill_points=float(len(pre)), decode_points=float(len(dec)))
+    return LatencyProfile(**{
+        **like, "name": name or f"{like['name']}-server-log",
+        "source": f"refitted on {len(pre) + len(dec)} iterations of the serving server's log; "
+                  f"other fields from {like['name']}",
+        "prefill_s0": float(p[0]), "prefill_s_per_token": float(p[1]),
+        "prefill_s_per_token2": float(p[2]), "decode_s0": float(d[0]),
+        "decode_s_per_seq": float(d[1]), "decode_s_per_ctx_token": float(d[2]),
+        "fit": fit}).model_dump()
+
+
 def _cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -66,6 +66,22 @@ def test_kv_bytes_per_token_hand_computed():
     assert P.kv_bytes_per_token(mha, 4) == 4096
 
 
+def test_fit_iterations_refits_a_server_log_and_keeps_the_rest():
+    like = P.LatencyProfile(name="tiny-cpu", source="x", prefill_s0=1.0, prefill_s_per_token=1.0,
+                            decode_s0=1.0, decode_s_per_seq=1.0, decode_s_per_ctx_token=1.0,
+                            kv_bytes_per_token=4096, link_bytes_per_s=1e10).model_dump()
+    log = [{"kind": "prefill", "batch": 1, "sum_l": n, "sum_l2": n * n, "ctx_tokens": 0,
+            "seconds": 0.01 + 1e-4 * n + 1e-7 * n * n} for n in (8, 20, 40, 64)]
+    log += [{"kind": "decode", "batch": b, "sum_l": 0, "sum_l2": 0, "ctx_tokens": b * c,
+             "seconds": 0.005 + 2e-4 * b + 1e-6 * b * c} for b in (1, 3, 8) for c in (20, 50)]
+    got = P.fit_iterations(log, like)
+    assert got["name"] == "tiny-cpu-server-log" and got["kv_bytes_per_token"] == 4096
+    assert got["prefill_s0"] == pytest.approx(0.01) and got["decode_s_per_seq"] == pytest.approx(2e-4)
+    assert got["decode_s_per_ctx_token"] == pytest.approx(1e-6)
+    with pytest.raises(ValueError, match="too few distinct sizes"):
+        P.fit_iterations(log[:2] + log[4:], like)
+
+
 @pytest.mark.parametrize("bad, field", [
     ({"prompt_lengths": [8, 16]}, "prompt_lengths"),
     ({"decode_batches": [4, 4]}, "decode_batches"),
