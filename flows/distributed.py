@@ -153,6 +153,13 @@ def stage_flow(commit: str, target: str, addressing: str, force: bool = False,
 
     logger = get_run_logger()
     started = time.monotonic()
+    if os.environ.get("PREFECT__FLOW_RUN_ID"):  # a worker's flow-run process
+        # kill -9 of the worker (a lost host) must not leave this process finishing the stage
+        # behind the retry's back: it dies with the worker; its dvc dies with it
+        # (`kill_with_parent` in `_stream`), and the stage with its dvc (`python -m stages`).
+        from stages.core.proc import die_with_parent
+
+        die_with_parent()
     root = Path(os.environ.get("PAPERLINE_ROOT") or os.getcwd()).resolve()
     worker = os.environ.get(WORKER_ENV) or socket.gethostname()
     _tag_self(worker)
@@ -281,8 +288,12 @@ def _watch(flow_run_id: Any, pool: str, timeout: float, logger: Any) -> dict[str
             if state is not None and state.is_running() and workers \
                     and worker_offline(client, pool, workers[0]):
                 msg = f"worker {workers[0]} of pool {pool} stopped heart-beating"
-                client.set_flow_run_state(flow_run_id, Crashed(message=msg), force=True)
-                raise RuntimeError(f"stage flow run {run.name} ({flow_run_id}): {msg}")
+                # not forced: a run that finished meanwhile (a loaded worker heart-beats late)
+                # keeps its final state, and the next round reads it
+                result = client.set_flow_run_state(flow_run_id, Crashed(message=msg))
+                if result.status.value == "ACCEPT":
+                    raise RuntimeError(f"stage flow run {run.name} ({flow_run_id}): {msg}")
+                continue
             if time.monotonic() > deadline:
                 client.set_flow_run_state(flow_run_id, Cancelled(message="stage timeout"),
                                           force=True)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -46,6 +48,9 @@ import hashlib, json, os, sys, time
 from pathlib import Path
 import yaml
 
+from stages.core.proc import die_with_parent
+
+die_with_parent()  # the stage contract (`python -m stages` does this): a stage dies with its dvc
 name, out, *deps = sys.argv[1:]
 params = yaml.safe_load(open("params.yaml"))
 timing = os.environ.get("SYN_TIMING_DIR")
@@ -158,7 +163,9 @@ def cluster(work: Path, s3, prefect_api):
     timing.mkdir()
     sampler = _Sampler()
     sampler.start()
-    env = _clean_env(PREFECT_WORKER_HEARTBEAT_SECONDS="2", PREFECT_WORKER_QUERY_SECONDS="1",
+    # heartbeat 4 s: a worker counts as lost after 3 missed beats + 5 s = 17 s; at 2 s (11 s) a
+    # worker on a loaded 2-core box missed beats while it started a flow-run process
+    env = _clean_env(PREFECT_WORKER_HEARTBEAT_SECONDS="4", PREFECT_WORKER_QUERY_SECONDS="1",
                      SYN_TIMING_DIR=str(timing), PREFECT_API_URL=prefect_api[0])
     names = {"cpu-1": "paperline-cpu", "cpu-2": "paperline-cpu", "gpu-1": "paperline-gpu"}
     threads = [threading.Thread(target=distributed.start_worker, args=(origin, n),
@@ -301,13 +308,19 @@ def test_killed_worker_stage_is_retried_and_nothing_partial_is_pushed(work: Path
     origin, timing = cluster["origin"], cluster["timing"]
     killed: list[str] = []
 
+    orphans: list[psutil.Process] = []
+
     def kill_when_started() -> None:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not killed:
             for marker in timing.glob("partial.started.*"):
                 name = marker.name.rsplit(".", 1)[1]
                 killed.append(name)
-                distributed.stop_worker(origin, name, kill=True)  # the host is gone
+                # kill -9 of the worker process ALONE: its flow-run process, the dvc under it
+                # and the stage must not live on and finish the stage behind the retry's back
+                pid = distributed.worker_pid(origin, name)
+                orphans.extend(psutil.Process(pid).children(recursive=True))
+                os.kill(pid, signal.SIGKILL)
                 return
             time.sleep(0.1)
 
@@ -317,6 +330,9 @@ def test_killed_worker_stage_is_retried_and_nothing_partial_is_pushed(work: Path
         summary = distributed.run_distributed(origin, "slow", retries=1, stage_timeout=120)
     killer.join(5)
     assert killed and killed[0] in ("cpu-1", "cpu-2"), killed
+    _, alive = psutil.wait_procs(orphans, timeout=10)
+    assert len(orphans) >= 3 and not alive, (orphans, [p.cmdline() for p in alive])
+    distributed.stop_worker(origin, killed[0], kill=True)  # tidy its pid file
     assert summary["partial"]["state"] == "ran", summary
     survivor = {"cpu-1": "cpu-2", "cpu-2": "cpu-1"}[killed[0]]
     assert summary["partial"]["worker"] == survivor
