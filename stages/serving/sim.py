@@ -63,6 +63,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable, Literal, Mapping, Sequence
 
+import numpy as np
 import simpy
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -404,6 +405,7 @@ class DecodeInstance(Instance):
         self.ctx_sum = 0                      # total KV tokens of running sequences at `step`
         # buckets[r]: growing sequences that need a new block at steps s with s % bs == r
         self.buckets: list[set[Job]] = [set() for _ in range(self.profile.kv_block_tokens)]
+        self.blen = [0] * len(self.buckets)   # their sizes (summed over slices: fast)
         self.n_grow = 0                       # sequences in the buckets
         self.finish_heap: list[tuple[int, int, int, Job]] = []  # (last step, seq, epoch, job)
         self.runs: list[tuple[float, int, float, float]] = []   # (t0, steps, base, inc)
@@ -494,7 +496,7 @@ class DecodeInstance(Instance):
 
     def _headroom(self) -> int:
         """Blocks the running batch needs for its next step: kept free at admission."""
-        return len(self.buckets[self.step % len(self.buckets)]) if self.running else 0
+        return self.blen[self.step % len(self.blen)] if self.running else 0
 
     def _try_take(self, need: int) -> bool:
         """Atomic allocation of `need` blocks (evicting idle session KV if that makes room)."""
@@ -617,7 +619,9 @@ class DecodeInstance(Instance):
         self.running[job] = None
         self.ctx_sum += ctx
         if job.grow:  # needs a new block at steps s where ctx + (s - step) is a multiple of bs
-            self.buckets[(self.step - ctx) % len(self.buckets)].add(job)
+            r = (self.step - ctx) % len(self.buckets)
+            self.buckets[r].add(job)
+            self.blen[r] += 1
             self.n_grow += 1
         self._seq += 1
         last = self.step + job.output_tokens - job.gen - 1
@@ -630,7 +634,9 @@ class DecodeInstance(Instance):
         ctx = job.join_ctx + steps
         self.ctx_sum -= ctx
         if job.grow:
-            self.buckets[(job.join_step - job.join_ctx) % len(self.buckets)].remove(job)
+            r = (job.join_step - job.join_ctx) % len(self.buckets)
+            self.buckets[r].remove(job)
+            self.blen[r] -= 1
             self.n_grow -= 1
             job.d_blocks = self.pool.blocks(ctx)
         job.d_tokens = ctx
@@ -642,28 +648,34 @@ class DecodeInstance(Instance):
 
     def _need(self, k: int) -> int:
         """Blocks the running batch allocates over the next k steps."""
-        bs = len(self.buckets)
+        bs = len(self.blen)
         full, rest = divmod(k, bs)
         n = full * self.n_grow
-        for i in range(rest):
-            n += len(self.buckets[(self.step + i) % bs])
+        if rest:
+            s = self.step % bs
+            if s + rest <= bs:
+                n += sum(self.blen[s:s + rest])
+            else:
+                n += sum(self.blen[s:]) + sum(self.blen[:s + rest - bs])
         return n
 
-    def _steps_affordable(self) -> int:
-        """Most steps the running batch can take from free blocks before a shortage."""
-        bs = len(self.buckets)
+    def _steps_affordable(self, wanted: int) -> int:
+        """Most steps (at most `wanted`) the running batch can take from free blocks."""
         per_period = self.n_grow
-        if per_period == 0:
-            return 1 << 60
-        full, left = divmod(self.pool.free, per_period)
+        free = self.pool.free
+        bs = len(self.blen)
+        if per_period * (wanted // bs + 1) <= free:
+            return wanted  # the common case: plenty of room
+        full, left = divmod(free, per_period)
         k = full * bs
+        s = self.step % bs
         for i in range(bs):
-            n = len(self.buckets[(self.step + i) % bs])
+            n = self.blen[(s + i) % bs]
             if n > left:
                 break
             left -= n
             k += 1
-        return k
+        return min(k, wanted)
 
     def _preempt_for_next_step(self) -> None:
         """Make room for the next step: evict idle session KV, then preempt the youngest."""
@@ -702,7 +714,7 @@ class DecodeInstance(Instance):
         if plan or not self.sim.macro_steps:
             K = 1
         else:
-            K = min(self._first_finish() - self.step + 1, self._steps_affordable())
+            K = self._steps_affordable(self._first_finish() - self.step + 1)
             if self._hook_every:
                 K = min(K, self._hook_every)
             K = max(K, 1)
@@ -1020,23 +1032,26 @@ class Simulator:
 
         tr = self.trace
         n = len(tr)
-        sess_rows: dict[int, list[int]] = {}
-        for i in range(n):
-            sess_rows.setdefault(int(tr.session[i]), []).append(i)
-        # rows of a session must be consecutive and in round order for `job.row + 1`
-        order = [i for rows in sess_rows.values() for i in rows]
-        if order != sorted(order) or any(rows != list(range(rows[0], rows[0] + len(rows)))
-                                         for rows in sess_rows.values()):
+        sess = tr.session
+        # rows of a session must be consecutive and in round order (`job.row + 1` is the next)
+        starts = np.flatnonzero(np.r_[True, sess[1:] != sess[:-1]]) if n else np.zeros(0, int)
+        ends = np.r_[starts[1:], n].astype(np.int64)
+        if (np.unique(sess).size != starts.size
+                or (tr.round != np.arange(n) - np.repeat(starts, ends - starts)).any()):
             raise SimError("trace rows of a session must be consecutive, in round order "
-                           "(use workload.Trace.from_columns)")
-        for sid, rows in sess_rows.items():
-            self.sessions[sid] = Session(sid, rows)
-        self.jobs = [Job(i, self.sessions[int(tr.session[i])], int(tr.round[i]),
-                         int(tr.input_tokens[i]), int(tr.output_tokens[i]),
-                         i == self.sessions[int(tr.session[i])].rows[-1]) for i in range(n)]
-        for sess in self.sessions.values():
-            first = self.jobs[sess.rows[0]]
-            self._later(float(tr.arrival_s[first.row]), self._arrive, first)
+                           "(build traces with workload.Trace.from_columns)")
+        sids, inputs, outputs = sess.tolist(), tr.input_tokens.tolist(), tr.output_tokens.tolist()
+        rounds, arrivals = tr.round.tolist(), tr.arrival_s.tolist()
+        last = set((ends - 1).tolist())
+        jobs = []
+        for a, b in zip(starts.tolist(), ends.tolist()):
+            session = Session(sids[a], list(range(a, b)))
+            self.sessions[session.sid] = session
+            for i in range(a, b):
+                jobs.append(Job(i, session, rounds[i], inputs[i], outputs[i], i in last))
+        self.jobs = jobs
+        for a in starts.tolist():
+            self._later(arrivals[a], self._arrive, jobs[a])
         self.env.run(until=until)
         return collect(self, complete=until is None)
 
