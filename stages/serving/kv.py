@@ -58,12 +58,15 @@ class KVPool:
             raise RuntimeError(f"KV accounting: give {n} blocks with {self.used} used")
         self.used -= n
 
-    def evict_idle(self, need: int) -> list[int]:
+    def evict_idle(self, need: int, keep: int | None = None) -> list[int]:
         """Free idle session KV, least recently used first, until `need` blocks are free or no
-        idle KV is left. Returns the evicted session ids."""
+        idle KV is left; session `keep` (the one being admitted) is spared. Returns the
+        evicted session ids."""
         evicted = []
-        while self.capacity - self.used < need and self.idle:
-            sid, n = self.idle.popitem(last=False)
-            self.used -= n
-            evicted.append(sid)
+        for sid in list(self.idle):
+            if self.capacity - self.used >= need:
+                break
+            if sid != keep:
+                self.used -= self.idle.pop(sid)
+                evicted.append(sid)
         return evicted

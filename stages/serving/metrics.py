@@ -145,9 +145,9 @@ def collect(sim: "Simulator", complete: bool = True) -> SimResult:
     first = np.cumsum(lengths) - lengths
     pos = (np.repeat(np.array(p_start, dtype=np.int64), lengths)
            + np.arange(int(lengths.sum())) - np.repeat(first, lengths))
-    itl_mean, itl_p90, itl_max = _gap_stats(source[pos],
-                                            np.repeat(np.array(p_job, dtype=np.int64), lengths),
-                                            n)
+    group = np.repeat(np.array(p_job, dtype=np.int64), lengths)
+    itl_mean, itl_p90, itl_max = _gap_stats(source[pos], group, n)
+    tokens = np.bincount(group, minlength=n)
 
     out = np.array([j.output_tokens for j in jobs])
     rounds = {
@@ -171,6 +171,7 @@ def collect(sim: "Simulator", complete: bool = True) -> SimResult:
         "itl_mean_s": itl_mean,
         "itl_p90_s": itl_p90,
         "itl_max_s": itl_max,
+        "tokens": tokens,
         "tpot_s": np.where(out > 1, (t_done - t_first) / np.maximum(out - 1, 1), np.nan),
         **{f"wait_{k}_s": np.array([j.waits[k] for j in jobs]) for k in QUEUE_KINDS},
         "preemptions": np.array([j.preemptions for j in jobs], dtype=np.int64),

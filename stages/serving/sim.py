@@ -149,7 +149,7 @@ class Job:
     __slots__ = (
         "row", "session", "round", "arrival", "input_tokens", "output_tokens", "is_last",
         "hist", "new", "prompt", "gen", "prefill", "decode", "local", "reserve_left",
-        "pin_inst", "pin_blocks", "pin_tokens", "p_blocks", "d_blocks", "d_tokens", "prefilled",
+        "p_blocks", "d_blocks", "d_tokens", "prefilled",
         "join_step", "join_ctx", "epoch", "grow", "marks",
         "t_first", "t_done", "t_prefill_start", "waits", "_t_in",
         "preemptions", "overtaken", "migrations", "n_prefills", "cached_tokens",
@@ -168,8 +168,6 @@ class Job:
         self.decode: DecodeInstance | None = None
         self.local = False
         self.reserve_left = 0
-        self.pin_inst: DecodeInstance | None = None  # the session's KV, held for this round
-        self.pin_blocks = self.pin_tokens = 0
         self.p_blocks = 0    # blocks held on the prefill instance
         self.d_blocks = 0    # blocks held on the decode instance (when not running)
         self.d_tokens = 0    # KV tokens those blocks hold
@@ -409,7 +407,8 @@ class DecodeInstance(Instance):
         self.n_grow = 0                       # sequences in the buckets
         self.finish_heap: list[tuple[int, int, int, Job]] = []  # (last step, seq, epoch, job)
         self.runs: list[tuple[float, int, float, float]] = []   # (t0, steps, base, inc)
-        self.window: deque[tuple[float, int, float]] = deque()   # (t_end, steps, seconds)
+        # recent iterations for itl_window: (t_end, steps, seconds, t0, base, inc)
+        self.window: deque[tuple[float, int, float, float, float, float]] = deque()
         self.window_steps = 0
         self.window_time = 0.0
         self.preemptions = self.evictions = 0
@@ -441,17 +440,50 @@ class DecodeInstance(Instance):
             return t0 + i * base + inc * i * (i - 1) / 2
         return now
 
+    def _in_flight(self, now: float) -> tuple[int, float]:
+        """(steps, seconds) of the macro step in flight that have ended by `now`."""
+        if self._state != "macro":
+            return 0, 0.0
+        t0, K, base, inc = self._macro[:4]
+        i = self._steps_done(now)
+        return i, i * base + inc * i * (i - 1) / 2
+
+    def free_blocks(self, now: float) -> int:
+        """Free KV blocks as a step-by-step engine would see them now (`pool.free` lags
+        inside a macro step, whose growth is booked when it ends)."""
+        return self.pool.free - (self._need(self._in_flight(now)[0]) if self._state == "macro"
+                                 else 0)
+
+    def context_tokens(self, now: float) -> int:
+        """KV tokens of the running batch now (C in T_dec)."""
+        return self.ctx_sum + len(self.running) * self._in_flight(now)[0]
+
     def itl_window(self, now: float) -> tuple[float, int]:
-        """(mean gap between decode iterations, iterations) over the last `itl_window_s`
-        seconds; local-prefill stalls count in the gaps. (nan, 0) when empty."""
+        """(mean gap between decode iterations, iterations) over iterations that ended in the
+        last `itl_window_s` seconds (AMPD's windowed ITL); a local-prefill stall counts in the
+        gap it opens. (nan, 0) when empty. Exact per step, also inside macro steps."""
         horizon = now - self.sim.cluster.itl_window_s
-        while self.window and self.window[0][0] < horizon:
-            _, n, s = self.window.popleft()
+        win = self.window
+        while win and win[0][0] < horizon:
+            _, n, s, *_ = win.popleft()
             self.window_steps -= n
             self.window_time -= s
-        if self.window_steps <= 0:
+        steps, seconds = self.window_steps, self.window_time
+        if self._state == "macro":  # its steps that ended in [horizon, now]
+            t0, K, base, inc = self._macro[:4]
+            i = self._steps_by(t0, K, base, inc, now)
+            early = self._steps_by(t0, K, base, inc, horizon, strict=True)
+            steps += i - early
+            seconds += (i * base + inc * i * (i - 1) / 2
+                        - early * base - inc * early * (early - 1) / 2)
+        if win and win[0][1] > 1:  # the oldest run may have begun before the horizon
+            _, n, _, t0, base, inc = win[0]
+            early = self._steps_by(t0, n, base, inc, horizon, strict=True)
+            steps -= early
+            seconds -= early * base + inc * early * (early - 1) / 2
+        if steps <= 0:
             return math.nan, 0
-        return self.window_time / self.window_steps, self.window_steps
+        return seconds / steps, steps
 
     # --- arrivals at this instance ----------------------------------------------------------------
 
@@ -498,12 +530,13 @@ class DecodeInstance(Instance):
         """Blocks the running batch needs for its next step: kept free at admission."""
         return self.blen[self.step % len(self.blen)] if self.running else 0
 
-    def _try_take(self, need: int) -> bool:
-        """Atomic allocation of `need` blocks (evicting idle session KV if that makes room)."""
+    def _try_take(self, need: int, keep: int | None = None) -> bool:
+        """Atomic allocation of `need` blocks (evicting idle session KV, but not session
+        `keep`'s, if that makes room)."""
         pool = self.pool
         want = need + self._headroom()
         if want > pool.free:
-            for sid in pool.evict_idle(want):
+            for sid in pool.evict_idle(want, keep):
                 self.sim._evicted(sid, self)
             if want > pool.free:
                 return False
@@ -552,11 +585,24 @@ class DecodeInstance(Instance):
                 job = queue[i]
                 if picked and tokens + job.new > budget:
                     return picked
-                need = self.pool.blocks(job.hist + job.new + self._extra_out(job)) - job.d_blocks
-                if not self._try_take(need):
+                # the session's KV kept here since its last round is used if it is still
+                # cached now (it stays evictable while the round waits in the queue)
+                sess = job.session
+                cached = queue is self.local and sess.kv_inst is self
+                kv_blocks = self.pool.idle[sess.sid] if cached else 0
+                need = self.pool.blocks(job.prompt + job.gen + self._extra_out(job)) - kv_blocks
+                if not self._try_take(need, sess.sid if cached else None):
                     return picked
                 queue.take_at(i)
-                job.d_blocks += need
+                if cached:
+                    del self.pool.idle[sess.sid]
+                    job.hist = sess.kv_tokens
+                    sess.kv_inst, sess.kv_tokens = None, 0
+                elif queue is self.local:
+                    job.hist = 0
+                job.new = job.prompt + job.gen - job.hist
+                job.cached_tokens = job.hist if queue is self.local else job.cached_tokens
+                job.d_blocks = kv_blocks + need
                 job.d_tokens = job.hist + job.new
                 if math.isnan(job.t_prefill_start):
                     job.t_prefill_start = now
@@ -581,6 +627,7 @@ class DecodeInstance(Instance):
         return True
 
     def _local_prefill_done(self, batch: list[Job]) -> None:
+        self._state = "boundary"
         now = self.sim.env.now
         if self.running:  # the stall: a gap in every running sequence's token stream
             self.stall_s += self._prefill_dur
@@ -599,8 +646,9 @@ class DecodeInstance(Instance):
         else:
             self._join(job)
 
-    def _window_add(self, t_end: float, steps: int, seconds: float) -> None:
-        self.window.append((t_end, steps, seconds))
+    def _window_add(self, t_end: float, steps: int, seconds: float, t0: float = 0.0,
+                    base: float = 0.0, inc: float = 0.0) -> None:
+        self.window.append((t_end, steps, seconds, t0, base, inc))
         self.window_steps += steps
         self.window_time += seconds
 
@@ -754,16 +802,27 @@ class DecodeInstance(Instance):
     def _steps_done(self, now: float) -> int:
         """Steps of the macro step in flight that have ended by `now`."""
         t0, K, base, inc = self._macro[:4]
-        x = now - t0
-        if inc > 0:  # t_end(i) = t0 + i*base + inc*i*(i-1)/2 = now, solved for i
+        return self._steps_by(t0, K, base, inc, now)
+
+    @staticmethod
+    def _steps_by(t0: float, K: int, base: float, inc: float, t: float,
+                  strict: bool = False) -> int:
+        """How many of K steps starting at t0 end by t (before t when `strict`): step i ends
+        at t0 + i*base + inc*i*(i-1)/2."""
+        def ended(i: int) -> bool:
+            end = t0 + i * base + inc * i * (i - 1) / 2
+            return end < t if strict else end <= t
+
+        x = t - t0
+        if inc > 0:  # solve inc/2 i^2 + (base - inc/2) i = x for i
             b = base - inc / 2
-            i = int((-b + math.sqrt(b * b + 2 * inc * x)) / inc)
+            i = int((-b + math.sqrt(max(b * b + 2 * inc * x, 0.0))) / inc)
         else:
             i = int(x / base) if base > 0 else K
         i = max(0, min(i, K))
-        while i > 0 and t0 + i * base + inc * i * (i - 1) / 2 > now:
+        while i > 0 and not ended(i):
             i -= 1
-        while i < K and t0 + (i + 1) * base + inc * (i + 1) * i / 2 <= now:
+        while i < K and ended(i + 1):
             i += 1
         return i
 
@@ -785,11 +844,12 @@ class DecodeInstance(Instance):
         if self._macro is None or gen != self._macro[4]:
             return  # the stale end of a macro step that was cut
         t0, K, base, inc, _, plan = self._macro
+        self._state, self._macro = "boundary", None
         now = self.sim.env.now
         self.pool.take(self._need(K))
         dur = K * base + inc * K * (K - 1) / 2
         self.runs.append((t0, K, base, inc))
-        self._window_add(now, K, dur)
+        self._window_add(now, K, dur, t0, base, inc)
         self.busy_s += dur
         self.step += K
         self.ctx_sum += len(self.running) * K
@@ -876,16 +936,21 @@ class Simulator:
         job.prompt = sess.context + job.input_tokens
         route = self.policy.route(job, self)
         self._check_route(job, route)
-        kv = sess.kv_inst
-        if kv is not None:  # hold the session's KV for this round (not evictable meanwhile)
-            job.pin_inst, job.pin_tokens = kv, sess.kv_tokens
-            job.pin_blocks = kv.pool.idle.pop(sess.sid)
+        # the session's KV kept since its last round (idle, evictable)
+        kv, kv_tokens = sess.kv_inst, sess.kv_tokens
+        if kv is not None and (route.prefill is not None or kv.index != route.decode):
+            kv_blocks = kv.pool.idle.pop(sess.sid)  # moved or sent: no longer a cache
             sess.kv_inst, sess.kv_tokens = None, 0
+        else:
+            kv_blocks = 0
         if route.prefill is None:
             self._bind(job, route.decode)
-            job.hist = job.pin_tokens if job.pin_inst is job.decode else 0
+            if kv is job.decode:  # stays cached (and evictable) until the prefill is admitted
+                job.hist = kv_tokens
+            else:                 # elsewhere, or evicted: recompute the whole context
+                self._drop(kv, kv_blocks)
+                job.hist = 0
             job.new = job.prompt - job.hist
-            job.cached_tokens = job.hist
             self._reserve(job, route.reserve_tokens)
             job.decode.enqueue_local(job)
             return
@@ -894,15 +959,26 @@ class Simulator:
         if route.decode is not None:
             self._bind(job, route.decode)
             self._reserve(job, route.reserve_tokens)
-        if job.pin_inst is not None and job.pin_tokens:
-            # AMPD: the history's KV goes decode -> prefill first; the prefill builds on it
-            job.hist = job.pin_tokens
-            job.new = job.prompt - job.hist
-            job.cached_tokens = job.hist
-            self._transfer(job.pin_inst, p, job.hist, p.enqueue, job)
-        else:
+        if kv is None:
             job.hist, job.new = 0, job.prompt
             p.enqueue(job)
+            return
+        # AMPD: the history's KV goes decode -> prefill first and the prefill builds on it; the
+        # decode copy is freed once sent (the prefill instance returns history + new prompt)
+        job.hist = job.cached_tokens = kv_tokens
+        job.new = job.prompt - job.hist
+
+        def history_sent(j: Job) -> None:
+            self._drop(kv, kv_blocks)
+            p.enqueue(j)
+
+        self._transfer(kv, p, kv_tokens, history_sent, job)
+
+    @staticmethod
+    def _drop(inst: DecodeInstance | None, blocks: int) -> None:
+        if inst is not None and blocks:
+            inst.pool.give(blocks)
+            inst.poke()
 
     def _reserve(self, job: Job, tokens: int) -> None:
         if tokens:
@@ -921,16 +997,6 @@ class Simulator:
             raise SimError(f"{job}: context {job.prompt} + output {job.output_tokens} tokens "
                            f"exceeds {job.decode.name}'s KV capacity "
                            f"({job.decode.spec.kv_capacity_tokens} tokens)")
-        if job.pin_inst is job.decode:
-            # the history's blocks stay where they are and now belong to this round
-            job.d_blocks, job.d_tokens = job.pin_blocks, job.pin_tokens
-            job.pin_blocks = 0
-        elif job.pin_inst is not None and job.pin_blocks:
-            # the round moved: the old copy is dropped (a remote prefill reads it first;
-            # freeing at routing time instead of after that read is a simplification)
-            job.pin_inst.pool.give(job.pin_blocks)
-            job.pin_inst.poke()
-            job.pin_blocks = 0
 
     def _check_route(self, job: Job, route: Route) -> None:
         if route.prefill is None and route.decode is None:
@@ -963,25 +1029,18 @@ class Simulator:
             d.pool.reserved -= job.reserve_left
             job.reserve_left = 0
         sess.context = job.prompt + job.output_tokens
-        # the KV this round leaves: its own on the decode instance, or the history it pinned
+        # the KV this round leaves on its decode instance: kept for the next round, or freed
         if d is not None and job.d_blocks:
-            holder, blocks, tokens = d, job.d_blocks, job.d_tokens
-        elif job.pin_inst is not None and job.pin_blocks:
-            holder, blocks, tokens = job.pin_inst, job.pin_blocks, job.pin_tokens
-        else:
-            holder, blocks, tokens = None, 0, 0
-        job.d_blocks = job.d_tokens = job.pin_blocks = 0
-        if holder is not None:
             if self.cluster.retain_kv_between_rounds and not job.is_last:
-                holder.pool.idle[sess.sid] = blocks
-                sess.kv_inst, sess.kv_tokens = holder, tokens
+                d.pool.idle[sess.sid] = job.d_blocks
+                sess.kv_inst, sess.kv_tokens = d, job.d_tokens
             else:
-                holder.pool.give(blocks)
-                holder.poke()
+                self._drop(d, job.d_blocks)
+        job.d_blocks = job.d_tokens = 0
         self.policy.on_round_done(job, now)
         if not job.is_last:
             nxt = self.jobs[job.row + 1]
-            self._later(self.trace.tool_gap_s[job.row], self._arrive, nxt)
+            self._later(self._gaps[job.row], self._arrive, nxt)
 
     def _evicted(self, sid: int, inst: DecodeInstance) -> None:
         inst.evictions += 1
@@ -1042,6 +1101,7 @@ class Simulator:
                            "(build traces with workload.Trace.from_columns)")
         sids, inputs, outputs = sess.tolist(), tr.input_tokens.tolist(), tr.output_tokens.tolist()
         rounds, arrivals = tr.round.tolist(), tr.arrival_s.tolist()
+        self._gaps = tr.tool_gap_s.tolist()
         last = set((ends - 1).tolist())
         jobs = []
         for a, b in zip(starts.tolist(), ends.tolist()):
