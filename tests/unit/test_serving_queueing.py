@@ -170,7 +170,7 @@ def test_kleinrock_conservation_sjf_against_fcfs():
 
 def test_little_check_catches_a_wait_charged_nowhere(monkeypatch):
     """The per-run Little's-law check is live: a queue that forgets to charge waits fails."""
-    from stages.serving import sim
+    from stages.serving import instances
 
     def take_at_without_charging(self, i):
         self._tick()
@@ -178,7 +178,7 @@ def test_little_check_catches_a_wait_charged_nowhere(monkeypatch):
         del self[i]
         return job
 
-    monkeypatch.setattr(sim.Queue, "take_at", take_at_without_charging)
+    monkeypatch.setattr(instances.Queue, "take_at", take_at_without_charging)
     n = 200
     trace = _trace(_arrivals(7, n=n), np.full(n, 1000), np.ones(n, dtype=int))
     with pytest.raises(SimError, match="Little's law fails for the prefill queues"):
