@@ -52,7 +52,18 @@ so the result is the same as stepping one iteration at a time (`macro_steps=Fals
 
 Not modelled: pipeline parallelism, prefix caching on prefill instances, swap-to-CPU
 preemption, speculative decoding, network contention beyond per-link FIFO, scheduler overhead,
-live (overlapped) migration: `migrate` is stop-and-copy.
+live (overlapped) migration: `migrate` is stop-and-copy. Simplifications: a preempted
+sequence's recompute runs on its own decode instance; a round routed to another decode
+instance than its session's KV recomputes that history (remote prefills read it first).
+
+Engine: SimPy 4 (`simpy.Environment`, `Timeout` events with callbacks rather than one
+generator process per instance: an instance must cut its own macro step when something
+arrives, which a stale-event check does cheaply and a process interrupt would not). This file
+holds the model's API (configs, Job, Route, Policy, Simulator); instances.py its mechanics.
+
+    from stages.serving.sim import ClusterConfig, InstanceSpec, Policy, simulate
+    result = simulate(trace, ClusterConfig(instances=[...]), load_profile("a100"), MyPolicy())
+    result.rounds["ttft_s"], result.to_polars(), result.queues, result.instances
 """
 
 from __future__ import annotations
@@ -211,6 +222,18 @@ class Policy:
     - on_first_token / on_round_done: observations, e.g. windowed TTFT, conformal scores.
     - after_step: called at decode iteration boundaries of `inst` (at least every
       `step_hook_every` steps when set); `sim.migrate(job, dst)` may be called from here.
+
+    What a policy may read. The simulator: `now`, `prefill[i]` and `decode[i]`,
+    `link_free_at(src, dst)`. A prefill instance: `queue`, `queued_tokens`, `busy_until()`,
+    `pool`, `profile`. A decode instance: `running` (jobs, admission order), `batch_size`,
+    `ready` / `local` / `resume` queues, `free_blocks(now)`, `effective_blocks(now)` (free minus
+    reservations), `context_tokens(now)`, `busy_until()` (end of the iteration in flight),
+    `itl_window(now)` (mean gap between iterations over the last `itl_window_s`), `pool`,
+    `profile`; read these methods rather than `pool.free`, which lags inside a macro step. A
+    job: `row` (its trace row: key per-request data such as predicted lengths by it),
+    `session` (`sid`, `decode`, `kv_inst`, `kv_tokens`), `round`, `arrival`, `prompt` (whole
+    context), `hist` / `new` (cached and to-compute tokens of its next prefill), `input_tokens`,
+    `t_queued`, `gen`. `output_tokens` is the true length: only an oracle may read it.
     """
 
     step_hook_every: int | None = None
