@@ -177,10 +177,9 @@ class DecodeInstance(Instance):
         self.running: dict[Job, None] = {}    # admission order (last = youngest)
         self.step = 0                         # index of the next decode step
         self.ctx_sum = 0                      # total KV tokens of running sequences at `step`
-        # buckets[r]: growing sequences that need a new block at steps s with s % bs == r
-        self.buckets: list[set[Job]] = [set() for _ in range(self.profile.kv_block_tokens)]
-        self.blen = [0] * len(self.buckets)   # their sizes (summed over slices: fast)
-        self.n_grow = 0                       # sequences in the buckets
+        # blen[r]: growing sequences that need a new block at the steps s with s % bs == r
+        self.blen = [0] * self.profile.kv_block_tokens
+        self.n_grow = 0                       # sum(blen)
         self.finish_heap: list[tuple[int, int, int, Job]] = []  # (last step, seq, epoch, job)
         self.runs: list[tuple[float, int, float, float]] = []   # (t0, steps, base, inc)
         # recent iterations for itl_window: (t_end, steps, seconds, t0, base, inc)
@@ -436,10 +435,10 @@ class DecodeInstance(Instance):
 
     def _join(self, job: Job) -> None:
         """Add a sequence whose KV (prompt + gen - 1 tokens) is here, at step `self.step`."""
-        if job.reserve_left:  # staged release (MAPS): the prompt part once the KV has landed
-            part = min(job.reserve_left, self.pool.blocks(job.prompt))
-            job.reserve_left -= part
-            self.pool.reserved -= part
+        if job.reserve_prompt:  # staged release (MAPS): the prompt part once the KV has landed
+            job.reserve_left -= job.reserve_prompt
+            self.pool.reserved -= job.reserve_prompt
+            job.reserve_prompt = 0
         ctx = job.prompt + job.gen - 1
         job.join_step, job.join_ctx = self.step, ctx
         job.epoch += 1
@@ -447,8 +446,7 @@ class DecodeInstance(Instance):
         self.running[job] = None
         self.ctx_sum += ctx
         if job.grow:  # needs a new block at steps s where ctx + (s - step) is a multiple of bs
-            r = (self.step - ctx) % len(self.buckets)
-            self.buckets[r].add(job)
+            r = (self.step - ctx) % len(self.blen)
             self.blen[r] += 1
             self.n_grow += 1
         self._seq += 1
@@ -462,8 +460,7 @@ class DecodeInstance(Instance):
         ctx = job.join_ctx + steps
         self.ctx_sum -= ctx
         if job.grow:
-            r = (job.join_step - job.join_ctx) % len(self.buckets)
-            self.buckets[r].remove(job)
+            r = (job.join_step - job.join_ctx) % len(self.blen)
             self.blen[r] -= 1
             self.n_grow -= 1
             job.d_blocks = self.pool.blocks(ctx)

@@ -158,6 +158,7 @@ class Job:
     __slots__ = (
         "row", "session", "round", "arrival", "input_tokens", "output_tokens", "is_last",
         "hist", "new", "prompt", "gen", "prefill", "decode", "local", "reserve_left",
+        "reserve_prompt",
         "p_blocks", "d_blocks", "d_tokens", "prefilled",
         "join_step", "join_ctx", "epoch", "grow", "marks",
         "t_first", "t_done", "t_prefill_start", "waits", "t_queued",
@@ -176,7 +177,8 @@ class Job:
         self.prefill: PrefillInstance | None = None
         self.decode: DecodeInstance | None = None
         self.local = False
-        self.reserve_left = 0
+        self.reserve_left = 0    # dispatcher reservation still held (blocks)
+        self.reserve_prompt = 0  # its prompt part, released when the KV lands
         self.p_blocks = 0    # blocks held on the prefill instance
         self.d_blocks = 0    # blocks held on the decode instance (when not running)
         self.d_tokens = 0    # KV tokens those blocks hold
@@ -401,6 +403,7 @@ class Simulator:
             n = job.decode.pool.blocks(tokens)
             job.decode.pool.reserved += n
             job.reserve_left = n
+            job.reserve_prompt = min(n, job.decode.pool.blocks(job.prompt))
 
     def _bind(self, job: Job, d: int) -> None:
         if not isinstance(d, int) or not 0 <= d < len(self.decode):
@@ -443,7 +446,7 @@ class Simulator:
         d, sess = job.decode, job.session
         if job.reserve_left:
             d.pool.reserved -= job.reserve_left
-            job.reserve_left = 0
+            job.reserve_left = job.reserve_prompt = 0
         sess.context = job.prompt + job.output_tokens
         # the KV this round leaves on its decode instance: kept for the next round, or freed
         if d is not None and job.d_blocks:
@@ -485,7 +488,7 @@ class Simulator:
         job.migrations += 1
         if job.reserve_left:
             src.pool.reserved -= job.reserve_left
-            job.reserve_left = 0
+            job.reserve_left = job.reserve_prompt = 0
         job.decode = target
         job.session.decode = dst
         target.inflight += 1

@@ -268,22 +268,43 @@ def test_migration_moves_a_running_sequence_and_its_kv():
 
 
 class Views(Policy):
-    """Random-but-deterministic routing that also records what it reads of the instances, to
-    compare macro steps with single steps through a policy's eyes."""
+    """Deterministic routing driven by the drawn options; records what it reads of the
+    instances, to compare macro steps with single steps through a policy's eyes."""
 
-    def __init__(self, local_every: int):
+    def __init__(self, local_every: int, sjf: bool, reserve: bool, late: bool, move: bool):
         super().__init__()
-        self.local_every = local_every
+        self.local_every, self.sjf, self.reserve, self.late, self.move = (
+            local_every, sjf, reserve, late, move)
+        self.step_hook_every = 1 if move else None  # a hook at every step: same in both modes
         self.log = []
 
     def route(self, job, sim):
         now = sim.now
-        self.log.append([(d.free_blocks(now), d.context_tokens(now), d.batch_size,
-                          d.busy_until(), *d.itl_window(now)) for d in sim.decode])
+        self.log.append([(d.free_blocks(now), d.effective_blocks(now), d.context_tokens(now),
+                          d.batch_size, d.busy_until(), *d.itl_window(now)) for d in sim.decode])
         d = (job.session.sid + job.round) % len(sim.decode)
         if not sim.prefill or (job.session.sid % self.local_every == 0):
             return Route(decode=d)
-        return Route(decode=d, prefill=job.round % len(sim.prefill))
+        p = job.round % len(sim.prefill)
+        if self.late and job.session.sid % 2:
+            return Route(decode=None, prefill=p)
+        return Route(decode=d, prefill=p, reserve_tokens=job.prompt + 8 if self.reserve else 0)
+
+    def bind_decode(self, job, sim):
+        return Route(decode=job.session.sid % len(sim.decode),
+                     reserve_tokens=job.prompt + 8 if self.reserve else 0)
+
+    def next_prefill(self, queue, inst, now):
+        return min(range(len(queue)), key=lambda i: queue[i].new) if self.sjf else 0
+
+    def next_admission(self, queue, inst, now):
+        return min(range(len(queue)), key=lambda i: queue[i].prompt) if self.sjf else 0
+
+    def after_step(self, inst, now):
+        if self.move and len(inst.sim.decode) > 1 and inst.step % 5 == 4:
+            job = next((j for j in inst.running if not j.migrations), None)  # once each: no
+            if job is not None:                                               # ping-pong
+                inst.sim.migrate(job, (inst.index + 1) % len(inst.sim.decode))
 
 
 @st.composite
@@ -300,24 +321,29 @@ def scenarios(draw):
         per_session[s] = per_session.get(s, 0) + inp + out
     capacity = max(per_session.values()) + 16 * draw(st.integers(1, 6))
     chunk = draw(st.sampled_from([None, 24]))
-    return rows, dict(decode=draw(st.integers(1, 2)), prefill=draw(st.integers(0, 2)),
-                      capacity=capacity, chunked_prefill_tokens=chunk,
-                      max_batch_seqs=draw(st.integers(1, 8))), draw(st.integers(1, 3))
+    spec = dict(decode=draw(st.integers(1, 2)), prefill=draw(st.integers(0, 2)),
+                capacity=capacity, chunked_prefill_tokens=chunk,
+                max_batch_seqs=draw(st.integers(1, 8)))
+    options = dict(local_every=draw(st.integers(1, 3)), sjf=draw(st.booleans()),
+                   reserve=draw(st.booleans()), late=draw(st.booleans()),
+                   move=draw(st.booleans()))
+    return rows, spec, options
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_random_runs_keep_the_invariants_and_macro_steps_change_nothing(case):
-    rows, spec, local_every = case
+    rows, spec, options = case
     prof = profile(decode_s_per_ctx_token=1e-4, prefill_s_per_token2=1e-5, transfer_s0=0.01)
     results = []
     for macro in (True, False):
-        policy = Views(local_every)
+        policy = Views(**options)
         res = Simulator(trace(rows), cluster(**spec), prof, policy, macro_steps=macro).run()
         results.append((res, policy.log))
         r = res.rounds
-        # every round finished (simulate raises otherwise) with exactly its tokens; no KV over
-        # capacity; each preemption cost one more prefill
+        # every round finished (run() raises otherwise, and on leaked KV, reservations left,
+        # or Little's law broken) with exactly its tokens; no KV over capacity; each
+        # preemption cost one more prefill
         assert (r["tokens"] == r["output_tokens"]).all()
         assert all(i["kv_peak_blocks"] <= i["kv_capacity_blocks"] for i in res.instances)
         assert (r["prefills"] == 1 + r["preemptions"]).all()
