@@ -69,6 +69,7 @@ holds the model's API (configs, Job, Route, Policy, Simulator); instances.py its
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Literal, Mapping, Sequence
 
@@ -348,7 +349,7 @@ class Simulator:
         self._check_route(job, route)
         # the session's KV kept since its last round (idle, evictable)
         kv, kv_tokens = sess.kv_inst, sess.kv_tokens
-        if kv is not None and (route.prefill is not None or kv.index != route.decode):
+        if kv is not None and (route.prefill is not None or kv.index != int(route.decode)):
             kv_blocks = kv.pool.idle.pop(sess.sid)  # moved or sent: no longer a cache
             sess.kv_inst, sess.kv_tokens = None, 0
         else:
@@ -364,7 +365,7 @@ class Simulator:
             self._reserve(job, route.reserve_tokens)
             job.decode.enqueue_local(job)
             return
-        p = self.prefill[route.prefill]
+        p = self.prefill[operator.index(route.prefill)]
         job.prefill = p
         if route.decode is not None:
             self._bind(job, route.decode)
@@ -405,10 +406,18 @@ class Simulator:
             job.reserve_left = n
             job.reserve_prompt = min(n, job.decode.pool.blocks(job.prompt))
 
+    @staticmethod
+    def _index(job: Job, value, n: int, what: str) -> int:
+        try:
+            i = operator.index(value)  # ints and numpy integers (a policy's argmin)
+        except TypeError:
+            i = -1
+        if not 0 <= i < n:
+            raise SimError(f"{job}: policy chose {what} instance {value!r}; there are {n}")
+        return i
+
     def _bind(self, job: Job, d: int) -> None:
-        if not isinstance(d, int) or not 0 <= d < len(self.decode):
-            raise SimError(f"{job}: policy chose decode instance {d!r}; there are "
-                           f"{len(self.decode)}")
+        d = self._index(job, d, len(self.decode), "decode")
         job.decode = self.decode[d]
         job.session.decode = d
         need = job.prompt + job.output_tokens
@@ -420,11 +429,10 @@ class Simulator:
     def _check_route(self, job: Job, route: Route) -> None:
         if route.prefill is None and route.decode is None:
             raise SimError(f"{job}: a local prefill needs a decode instance")
+        if route.decode is not None:
+            self._index(job, route.decode, len(self.decode), "decode")
         if route.prefill is not None:
-            if not 0 <= route.prefill < len(self.prefill):
-                raise SimError(f"{job}: policy chose prefill instance {route.prefill!r}; there "
-                               f"are {len(self.prefill)}")
-            p = self.prefill[route.prefill]
+            p = self.prefill[self._index(job, route.prefill, len(self.prefill), "prefill")]
             if p.pool.blocks(job.prompt) > p.pool.capacity:
                 raise SimError(f"{job}: context {job.prompt} tokens exceeds {p.name}'s KV "
                                f"capacity ({p.spec.kv_capacity_tokens} tokens)")
