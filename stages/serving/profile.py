@@ -46,6 +46,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from stages.core import io
+from stages.serving.latency import LatencyProfile  # the contract: what this stage writes
 
 
 class Config(BaseModel):
@@ -101,28 +102,6 @@ class Config(BaseModel):
             raise ValueError("link_bytes_per_s and transfer_s0: give both (a simulated link) or "
                              "neither (measured)")
         return self
-
-
-class LatencyProfile(BaseModel):
-    """Mirror of `stages.serving.latency.LatencyProfile` (the issue-17 serving contract; all
-    times in seconds), so this module validates what it writes on its own. At merge the lead
-    replaces it with that import."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    name: str
-    source: str
-    prefill_s0: float
-    prefill_s_per_token: float
-    prefill_s_per_token2: float = 0.0
-    decode_s0: float
-    decode_s_per_seq: float
-    decode_s_per_ctx_token: float
-    kv_bytes_per_token: int
-    kv_block_tokens: int = 16
-    transfer_s0: float = 0.0
-    link_bytes_per_s: float
-    fit: dict[str, float] = {}
 
 
 # --- the math: small pure functions (numpy) ------------------------------------------------------
