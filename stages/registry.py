@@ -112,6 +112,14 @@ STAGES: dict[str, dict[str, str]] = {
         "rl_trace": "stages.trace.rl",
         "compare": "stages.trace.compare",
     },
+    # The shared serving substrate (issue 17), like "base" for the LLM papers: the measured
+    # latency profile the serving papers read, and the simulator's checks against queueing
+    # theory (check 1) and a real continuous-batching server (check 2).
+    "serving": {
+        "profile_engine": "stages.serving.profile",
+        "queueing_check": "stages.serving.queueing_check",
+        "validate_sim": "stages.serving.validate",
+    },
 }
 
 # How each pipeline's README results table is rendered from its DVC metrics ("module:function"
@@ -125,6 +133,7 @@ REPORTS: dict[str, str] = {
     "trace": "stages.trace.compare:results_table",
     "proofverify": "stages.proofverify.compare:results_table",
     "racer": "stages.racer.compare:results_table",
+    "serving": "stages.serving.report:results_table",
 }
 
 # The root README's pipeline table (`paperline report` renders it with the measured `cpu` wall
@@ -150,4 +159,7 @@ PAPERS: dict[str, dict[str, str]] = {
     "trace": {"paper": "TRACE, arXiv 2605.29656",
               "compares": "Toulmin-structure score of chains of thought: correlation with "
                           "accuracy; GRPO with a TRACE reward"},
+    "serving": {"paper": "(shared)",
+                "compares": "the serving simulator against queueing theory and a real "
+                            "continuous-batching server; the latency profile AMPD and MAPS read"},
 }

@@ -373,7 +373,8 @@ class StageTracker:
         """Log a Hugging Face model folder and register it as a new version of `name`.
 
         The artifact is the `save_pretrained` folder itself, so `models:/<name>@<alias>` downloads
-        to a folder that `from_pretrained` loads.
+        to a folder that `from_pretrained` loads. A single file (a fitted profile JSON) is logged
+        as the one file of `artifact_path`, so the version downloads to a folder holding it.
         """
         tags = {"paperline.pipeline": self.ctx.pipeline, "paperline.profile": self.ctx.profile,
                 "paperline.seed": str(self.ctx.seed), **(tags or {}),
@@ -490,7 +491,10 @@ def find_stage_run(exp_id: str, key: str, parent: str | None, client: Any = None
 
 def _register(client: Any, run_id: str, local_dir: str, name: str, aliases: list[str],
               tags: dict[str, str], artifact_path: str) -> str:
-    client.log_artifacts(run_id, str(local_dir), artifact_path)
+    if Path(local_dir).is_file():  # a single-file artefact (a JSON profile): its own folder
+        client.log_artifact(run_id, str(local_dir), artifact_path)
+    else:
+        client.log_artifacts(run_id, str(local_dir), artifact_path)
     try:
         client.create_registered_model(name)
     except Exception:

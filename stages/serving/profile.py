@@ -75,6 +75,9 @@ class Config(BaseModel):
                              "server's engine thread runs (the other core serves HTTP); 0 = all")
     kv_block_tokens: int = Field(16, ge=1, le=4096, description="tokens per KV block in the "
                                  "simulator's block pool (vLLM's default)")
+    register_as: str | None = Field("serving-profile", description="MLflow registered model "
+                                    "the profile JSON becomes a version of, with the run that "
+                                    "measured it; None: not registered")
     link_bytes_per_s: float | None = Field(None, gt=0, description="KV link bandwidth; None: "
                                            "measured as a same-host copy of the KV cache")
     transfer_s0: float | None = Field(None, ge=0, description="KV transfer fixed cost, s; None: "
@@ -145,25 +148,27 @@ def fit_stats(pred: np.ndarray, y: np.ndarray) -> dict[str, float]:
     return {"mape": float(np.mean(np.abs(pred - y) / y)), "r2": r2}
 
 
-def _fit(columns: Sequence[np.ndarray], seconds: Sequence[float]) -> tuple[np.ndarray, dict]:
+def _fit(columns: Sequence[np.ndarray], seconds: Sequence[float],
+         relative: bool = True) -> tuple[np.ndarray, dict]:
     y = np.asarray(seconds, dtype=float)
     if np.any(y <= 0):
         raise ValueError("timings must be > 0 s")
     x = np.column_stack([np.ones(len(y)), *[np.asarray(c, dtype=float) for c in columns]])
-    coef = nonneg_lstsq(x, y, weights=1.0 / y)      # relative error: see module docstring
+    # relative error (1/T weights): see module docstring; unweighted for raw noisy logs
+    coef = nonneg_lstsq(x, y, weights=1.0 / y if relative else None)
     return coef, fit_stats(x @ coef, y)
 
 
-def fit_prefill(sum_l: Sequence[float], sum_l2: Sequence[float],
-                seconds: Sequence[float]) -> tuple[np.ndarray, dict[str, float]]:
+def fit_prefill(sum_l: Sequence[float], sum_l2: Sequence[float], seconds: Sequence[float],
+                relative: bool = True) -> tuple[np.ndarray, dict[str, float]]:
     """(s0, a, b) of T = s0 + a*sum(l) + b*sum(l^2) (DistServe, OSDI'24) and its fit errors."""
-    return _fit([sum_l, sum_l2], seconds)
+    return _fit([sum_l, sum_l2], seconds, relative)
 
 
-def fit_decode(batch: Sequence[float], ctx_tokens: Sequence[float],
-               seconds: Sequence[float]) -> tuple[np.ndarray, dict[str, float]]:
+def fit_decode(batch: Sequence[float], ctx_tokens: Sequence[float], seconds: Sequence[float],
+               relative: bool = True) -> tuple[np.ndarray, dict[str, float]]:
     """(s0, c, d) of T = s0 + c*B + d*C (Vidur, MLSys'24; DistServe) and its fit errors."""
-    return _fit([batch, ctx_tokens], seconds)
+    return _fit([batch, ctx_tokens], seconds, relative)
 
 
 def fit_transfer(n_bytes: Sequence[float],
@@ -292,7 +297,12 @@ def fit_iterations(iterations: Sequence[dict[str, float]], like: dict[str, Any],
     separates the simulator's scheduling error from the latency model's error. On this shared
     machine the server's iterations ran ~1.7x the profile's prediction under load while a
     one-request-at-a-time A/B gave equal step times, i.e. the gap was CPU contention (driver,
-    other tenants), not the engine."""
+    other tenants), not the engine.
+
+    Unweighted least squares here, unlike the profile's relative-error fit: a server log is one
+    noisy sample per iteration (no medians), and what queueing sees is the SUM of iteration
+    times, which an unweighted fit with an intercept preserves; 1/T weights shrink the high
+    outliers' say and biased a 500-iteration log ~40% low (decode R^2 < 0)."""
     pre = [r for r in iterations if r["kind"] == "prefill"]
     dec = [r for r in iterations if r["kind"] == "decode"]
     if len({r["sum_l"] for r in pre}) < 3 or len({r["batch"] for r in dec}) < 2:
@@ -300,9 +310,9 @@ def fit_iterations(iterations: Sequence[dict[str, float]], like: dict[str, Any],
                          "with too few distinct sizes (need >= 3 prompt-token totals and >= 2 "
                          "batch sizes)")
     p, p_fit = fit_prefill([r["sum_l"] for r in pre], [r["sum_l2"] for r in pre],
-                           [r["seconds"] for r in pre])
+                           [r["seconds"] for r in pre], relative=False)
     d, d_fit = fit_decode([r["batch"] for r in dec], [r["ctx_tokens"] for r in dec],
-                          [r["seconds"] for r in dec])
+                          [r["seconds"] for r in dec], relative=False)
     fit = {f"{form}_{stat}": value for form, stats in (("prefill", p_fit), ("decode", d_fit))
            for stat, value in stats.items()}
     fit.update(prefill_points=float(len(pre)), decode_points=float(len(dec)))
@@ -378,6 +388,13 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     if cfg.timings is not None:
         io.write_parquet(ctx.path(cfg.timings), pl.DataFrame(rows))
     ctx.log_params({"threads": threads, "points": len(rows)})
+    if cfg.register_as and ctx.tracker is not None:
+        # the JSON itself is the artefact: `models:/serving-profile@champion` downloads a folder
+        # holding profile.json, which load_profile reads; the fit errors ride along as tags
+        ctx.tracker.register_model(
+            ctx.path(cfg.out), cfg.register_as, ["champion"], artifact_path="profile",
+            tags={"profile.name": profile["name"],
+                  **{f"fit.{k}": f"{v:.4g}" for k, v in profile["fit"].items()}})
     print(f"profile_engine: {len(rows)} points in {seconds:.1f} s; prefill "
           f"{profile['prefill_s0'] * 1e3:.2f} ms + {profile['prefill_s_per_token'] * 1e6:.1f} us/tok "
           f"(MAPE {profile['fit']['prefill_mape']:.1%}), decode {profile['decode_s0'] * 1e3:.2f} ms "

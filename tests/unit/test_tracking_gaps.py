@@ -74,6 +74,30 @@ def test_replay_registers_every_arm_once_and_refuses_changed_weights(tmp_path, c
         tracking._replay(client, dict(gap, run_id=late, stage_run_id="s2", ops=[op]))
 
 
+def test_a_single_file_registers_as_the_one_file_of_its_version(tmp_path, client):
+    """A fitted profile JSON (stage profile_engine) is registered as it is, also on replay, from
+    the snapshot a tracking gap keeps of it."""
+    exp = client.create_experiment("f", artifact_location=(tmp_path / "art").as_uri())
+    run_id = client.create_run(exp, tags={"paperline.stage_run_id": "f1"}).info.run_id
+    prof = tmp_path / "data" / "profile.json"
+    prof.parent.mkdir()
+    prof.write_text('{"name": "tiny-cpu"}')
+    snap = tracking.snapshot(prof, tmp_path, "f1", 0)
+    assert Path(snap).is_file() and Path(snap).name == "profile.json"
+    op = {"op": "register_model", "local_dir": snap, "name": "serving-profile",
+          "aliases": ["champion"], "artifact_path": "profile",
+          "tags": {"paperline.model_sha": tracking.model_fingerprint(prof)}}
+    gap = {"run_id": run_id, "stage_run_id": "f1", "experiment": "f", "run_name": "profile",
+           "failed_at": "register_model", "tags": {}, "ops": [op, {"op": "end",
+                                                                  "status": "FINISHED"}]}
+    tracking._replay(client, gap)
+    v = client.get_model_version_by_alias("serving-profile", "champion")
+    assert v.run_id == run_id and v.source.endswith("/profile")
+    assert [f.path for f in client.list_artifacts(run_id, "profile")] == ["profile/profile.json"]
+    got = client.download_artifacts(run_id, "profile/profile.json", str(tmp_path / "dl"))
+    assert Path(got).read_text() == '{"name": "tiny-cpu"}'
+
+
 def test_replay_does_not_overwrite_a_retry_that_finished_the_run(tmp_path, client):
     exp = client.create_experiment("q")
     run_id = client.create_run(exp, tags={"paperline.stage_run_id": "retry"}).info.run_id
