@@ -112,6 +112,15 @@ STAGES: dict[str, dict[str, str]] = {
         "rl_trace": "stages.trace.rl",
         "compare": "stages.trace.compare",
     },
+    # AMPD: multi-round agent sessions on a simulated 8-GPU PD-disaggregated cluster; where each
+    # (incremental) prefill runs and in what order, against Dynamo-like, always-local and
+    # colocated serving; the replica plan by ILP. One simulation stage runs every arm.
+    "ampd": {
+        "workload": "stages.ampd.workload",
+        "plan": "stages.ampd.planner",
+        "simulate": "stages.ampd.simulate",
+        "compare": "stages.ampd.compare",
+    },
 }
 
 # How each pipeline's README results table is rendered from its DVC metrics ("module:function"
@@ -125,6 +134,7 @@ REPORTS: dict[str, str] = {
     "trace": "stages.trace.compare:results_table",
     "proofverify": "stages.proofverify.compare:results_table",
     "racer": "stages.racer.compare:results_table",
+    "ampd": "stages.ampd.compare:results_table",
 }
 
 # The root README's pipeline table (`paperline report` renders it with the measured `cpu` wall
@@ -150,4 +160,7 @@ PAPERS: dict[str, dict[str, str]] = {
     "trace": {"paper": "TRACE, arXiv 2605.29656",
               "compares": "Toulmin-structure score of chains of thought: correlation with "
                           "accuracy; GRPO with a TRACE reward"},
+    "ampd": {"paper": "AMPD, arXiv 2602.14516",
+             "compares": "local vs remote (incremental) prefill routing, reordering and a replica "
+                         "ILP vs Dynamo-like, always-local and colocated serving (simulated)"},
 }
