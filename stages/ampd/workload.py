@@ -25,8 +25,10 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from stages.core import io
+from stages.core.checks import DataValidationError
 from stages.core.context import Context
-from stages.serving.latency import LatencyProfile, load_profile, save_profile
+from stages.serving.latency import (PROFILES_DIR, LatencyProfile, ProfileError, load_profile,
+                                    save_profile)
 from stages.serving.workload import (LengthDist, WorkloadConfig, agentic_sessions, make_trace,
                                      write_trace)
 
@@ -35,10 +37,23 @@ from .arms import SLO, ClusterParams, WorkloadShape, capacity, strategies
 MEASURED = "measured"   # the profile stage `profile_engine` of pipeline `serving` measured
 
 
+def _known_profile(name: str) -> str:
+    shipped = sorted(p.stem for p in PROFILES_DIR.glob("*.json"))
+    if name != MEASURED and name not in shipped:
+        raise ValueError(f"unknown latency profile {name!r}: `{MEASURED}` or one of "
+                         f"{', '.join(shipped)}")
+    return name
+
+
 class TPProfile(BaseModel):
     model_config = ConfigDict(extra="forbid")
     gpus: int = Field(ge=1, le=64, description="GPUs per replica (the TP degree)")
     profile: str = Field(min_length=1, description="`measured` or a shipped profile name")
+
+    @field_validator("profile")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        return _known_profile(v)
 
 
 class Config(BaseModel):
@@ -67,6 +82,11 @@ class Config(BaseModel):
     shape_sessions: int = Field(20_000, ge=100, description="sessions of the large sample the "
                                 "per-session means are measured on")
     shape_seed: int = Field(10_007, ge=0, description="its seed (not one of `seeds`)")
+
+    @field_validator("latency_profile")
+    @classmethod
+    def _profile(cls, v: str) -> str:
+        return _known_profile(v)
 
     @field_validator("loads")
     @classmethod
@@ -103,8 +123,13 @@ class Config(BaseModel):
 
 
 def resolve_profile(name: str, ctx: Context) -> LatencyProfile:
-    """`measured` -> pipeline serving's measured profile (paths.serving_profile); else shipped."""
-    return load_profile(ctx.path("serving_profile") if name == MEASURED else name)
+    """`measured` -> pipeline serving's measured profile (paths.serving_profile); else shipped.
+    A missing or malformed file is a data error naming the file and the field."""
+    where = ctx.path("serving_profile") if name == MEASURED else name
+    try:
+        return load_profile(where)
+    except ProfileError as exc:
+        raise DataValidationError(str(exc), source=str(where), rule="latency profile") from None
 
 
 def trace_name(seed: int, load_index: int) -> str:
