@@ -96,6 +96,9 @@ def run(cfg: Config, ctx: Context) -> dict[str, float]:
                                                        "objective": oracle.objective},
            "brute_force_match": match}
     io.write_json(ctx.path("ampd_plan") / "plan.json", out)
+    ctx.log_params({"plan_objective": pcfg.objective,
+                    **{f"plan_prefill_{n}": v for n, v in deployed["prefill"].items()},
+                    **{f"plan_decode_{n}": v for n, v in deployed["decode"].items()}})
     return {"min_max_objective": float(pcfg.objective == "min_max_latency"),
             "prefill_replicas": float(sum(deployed["prefill"].values())),
             "decode_replicas": float(sum(deployed["decode"].values())), "gpus": float(gpus),
