@@ -52,14 +52,14 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Sequence
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from stages.serving.latency import LatencyProfile
-from stages.serving.sim import ClusterConfig, DecodeInstance, InstanceSpec, Job, Policy, Route
-from stages.serving.sim import Simulator
+from stages.serving.sim import (ClusterConfig, DecodeInstance, InstanceSpec, Job, Policy, Route,
+                                Simulator)
 from stages.serving.workload import Trace
 
 from . import routing
@@ -394,5 +394,3 @@ def score(rounds: dict[str, np.ndarray], slo: SLO) -> dict[str, float]:
         "max_overtaken": float(rounds["overtaken"].max()),
     }
 
-
-Arm = Literal["dynamo", "local", "colocated", "routing", "reorder", "planned"]
