@@ -120,6 +120,15 @@ STAGES: dict[str, dict[str, str]] = {
         "queueing_check": "stages.serving.queueing_check",
         "validate_sim": "stages.serving.validate",
     },
+    # AMPD: multi-round agent sessions on a simulated 8-GPU PD-disaggregated cluster; where each
+    # (incremental) prefill runs and in what order, against Dynamo-like, always-local and
+    # colocated serving; the replica plan by ILP. One simulation stage runs every arm.
+    "ampd": {
+        "workload": "stages.ampd.workload",
+        "plan": "stages.ampd.planner",
+        "simulate": "stages.ampd.simulate",
+        "compare": "stages.ampd.compare",
+    },
 }
 
 # How each pipeline's README results table is rendered from its DVC metrics ("module:function"
@@ -134,6 +143,7 @@ REPORTS: dict[str, str] = {
     "proofverify": "stages.proofverify.compare:results_table",
     "racer": "stages.racer.compare:results_table",
     "serving": "stages.serving.report:results_table",
+    "ampd": "stages.ampd.compare:results_table",
 }
 
 # The root README's pipeline table (`paperline report` renders it with the measured `cpu` wall
@@ -162,4 +172,7 @@ PAPERS: dict[str, dict[str, str]] = {
     "serving": {"paper": "(shared)",
                 "compares": "the serving simulator against queueing theory and a real "
                             "continuous-batching server; the latency profile AMPD and MAPS read"},
+    "ampd": {"paper": "AMPD, arXiv 2602.14516",
+             "compares": "local vs remote (incremental) prefill routing, reordering and a replica "
+                         "ILP vs Dynamo-like, always-local and colocated serving (simulated)"},
 }
