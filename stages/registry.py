@@ -7,6 +7,10 @@ The params section a stage reads is its stage name.
 
 from __future__ import annotations
 
+# Pipelines of shared substrates, not papers: their packages are engines every paper may import
+# (`base`: tasks, tokenizer, base model; `serving`: the serving simulator and its checks).
+SHARED: frozenset[str] = frozenset({"base", "serving"})
+
 STAGES: dict[str, dict[str, str]] = {
     # Shared stages of the root dvc.yaml; together they are the pipeline named "base".
     "base": {

@@ -272,9 +272,9 @@ def write(root: Path) -> list[str]:
 
 def paper_packages(root: Path) -> set[str]:
     """Names of the paper packages: every pipeline of the registry with a `stages/<slug>/`."""
-    from stages.registry import STAGES
+    from stages.registry import SHARED, STAGES
 
-    return {slug for slug in STAGES if slug != "base" and (root / "stages" / slug).is_dir()}
+    return {slug for slug in STAGES if slug not in SHARED and (root / "stages" / slug).is_dir()}
 
 
 def import_rule_violations(root: Path) -> list[str]:
