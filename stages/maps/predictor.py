@@ -486,7 +486,7 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     m = trained.metrics
     if cfg.register_as and ctx.tracker is not None:   # with the run that made it
         ctx.tracker.register_model(ctx.path(cfg.predictor_path), cfg.register_as,
-                                   aliases=["latest"], artifact_path="maps-predictor")
+                                   aliases=["champion"], artifact_path="maps-predictor")
     print(f"maps predictor: test MAE {m['test_mae']:.2f} (constant {m['test_mae_constant']:.2f}), "
           f"q_alpha {m['q_alpha']:.1f}, coverage {m['test_coverage']:.3f} "
           f"(bounds {m['coverage_lower_bound']:.3f}..{m['coverage_upper_bound']:.3f})")

@@ -89,7 +89,7 @@ def test_predictor_registered_and_coverage_with_bounds(maps_repo: Path):
     for k in ("test_mae", "test_acc_100", "q_alpha"):
         assert k in p
     client = mlflow_client(maps_repo)
-    v = client.get_model_version_by_alias("maps-predictor", "latest")
+    v = client.get_model_version_by_alias("maps-predictor", "champion")
     run = client.get_run(v.run_id)                   # the run that made it
     assert run.data.tags.get("paperline.stage") == "predictor"
     c = json.loads((maps_repo / P / "metrics/compare.json").read_text())
