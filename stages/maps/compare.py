@@ -18,7 +18,8 @@ the direction alone is tested).
 - ablations on `sharegpt`, direction only except UAC (paper: removing UAC costs +18.4% mean,
   i.e. MAPS is 1/1.184 - 1 = -15.5% relative to no-UAC): `uac`, `sjf` (vs FCFS), and the
   real-predictor workload `own` (MAPS vs round-robin, mean E2E).
-Plots: mean and P99 E2E against the load per arm, one CSV per workload (dvc plots).
+Plots: mean and P99 E2E against the arrival rate (req/s) per arm, one CSV per workload and
+statistic (columns load, rate, one per arm; dvc plots).
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     for w in sorted(agg["workload"].unique()):
         for stat in ("e2e_mean_s", "e2e_p99_s"):
             wide = (agg.filter(pl.col("workload") == w)
-                    .pivot(on="arm", index="load", values=stat).sort("load"))
+                    .pivot(on="arm", index=["load", "rate"], values=stat).sort("load"))
             path = ctx.pipeline_dir / f"{cfg.plot_prefix}{w}_{stat.split('_')[1]}.csv"
             io.write_text(path, wide.write_csv())
     return {k: float(v) for k, v in m.items() if not isinstance(v, float) or math.isfinite(v)}

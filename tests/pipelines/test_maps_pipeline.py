@@ -106,7 +106,7 @@ def test_predictor_registered_and_coverage_with_bounds(maps_repo: Path):
     block = readme.split("<!-- results:start")[1].split("<!-- results:end")[0]
     assert "| maps |" in block and "MAPS < round-robin, mean E2E" in block
     header = (maps_repo / P / "plots/maps_e2e_sharegpt_mean.csv").read_text().splitlines()[0]
-    assert header.startswith("load,") and "maps" in header and "round_robin" in header
+    assert header.startswith("load,rate,") and "maps" in header and "round_robin" in header
 
 
 def test_bad_params_rejected_by_name_before_compute(maps_repo: Path, tmp_path: Path):
