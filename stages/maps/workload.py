@@ -23,7 +23,7 @@ Cluster and load (`ClusterSpec`, shared with `simulate` through a YAML anchor): 
 decoders of 40k : 25k KV tokens (the paper's memory caps 0.8 : 0.5), S = 16. Rates are fractions
 `load_factors` of the cluster's capacity, derived from the latency profile and the workload's
 mean lengths before any simulation (`capacity_rate`), never tuned on results. For `own` the KV
-capacities are scaled by the ratio of mean KV footprints (mean prompt + mean output / 2) of
+capacities are scaled by the ratio of mean KV footprints (`footprint`, below) of
 `own` to `sharegpt`, so each decoder holds about as many concurrent requests as in the
 ShareGPT-like runs (the tiny model's requests are ~50x shorter); capacities are rounded up to
 whole blocks and never below the largest request.
@@ -78,14 +78,23 @@ def resolve_profile(spec: ClusterSpec, ctx: Any) -> LatencyProfile:
     return load_profile(spec.latency_profile)
 
 
-def capacity_rate(profile: LatencyProfile, decode_kv: list[int], mean_prompt: float,
+def footprint(prompt: np.ndarray, output: np.ndarray) -> float:
+    """The mean KV tokens a running request holds, time-averaged over the requests running at
+    a random instant: request i holds p_i + t tokens during its t-th step and runs L_i steps,
+    so it contributes p_i L_i + L_i^2 / 2 token-steps; by Little's law the average over running
+    requests is E[p L + L^2 / 2] / E[L]. (Not E[p] + E[L] / 2: long requests hold their memory
+    longer, so with ShareGPT-like tails the footprint is ~1.5x that.)"""
+    p, L = np.asarray(prompt, dtype=np.float64), np.asarray(output, dtype=np.float64)
+    return float(np.mean(p * L + L * L / 2) / np.mean(L))
+
+
+def capacity_rate(profile: LatencyProfile, decode_kv: list[int], f: float, mean_prompt: float,
                   mean_output: float, max_batch_seqs: int, max_batch_tokens: int = 8192) -> float:
     """Requests/s the cluster sustains, from the profile alone (no simulation):
-    a decoder of K KV tokens holds B = min(max_batch_seqs, K / f) requests, f = mean prompt +
-    mean output / 2 the mean KV footprint over a request's life; it emits B / T_dec(B, B f)
-    tokens/s, i.e. that over mean output requests/s; the prefiller runs batches of
-    max_batch_tokens / mean prompt prompts. Capacity = min(sum over decoders, prefiller)."""
-    f = mean_prompt + mean_output / 2
+    a decoder of K KV tokens holds B = min(max_batch_seqs, K / f) requests, f the mean KV
+    footprint of a running request (`footprint`); it emits B / T_dec(B, B f) tokens/s, i.e.
+    that over mean output requests/s; the prefiller runs batches of max_batch_tokens / mean
+    prompt prompts. Capacity = min(sum over decoders, prefiller)."""
     decode = 0.0
     for k in decode_kv:
         b = max(1.0, min(float(max_batch_seqs), k / f))
@@ -141,10 +150,6 @@ def _sub(seed: int, *tags: int) -> np.random.Generator:
     return np.random.default_rng(np.random.SeedSequence([seed, *tags]))
 
 
-def footprint(mean_prompt: float, mean_output: float) -> float:
-    return mean_prompt + mean_output / 2
-
-
 def _round_up(x: float, block: int) -> int:
     return int(math.ceil(x / block) * block)
 
@@ -164,6 +169,7 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
         synth = sharegpt_like(cfg.n_requests, 1.0)
         first = make_trace(synth, cfg.seeds[0])   # means that set the rates: data, not results
         sg_prompt, sg_out = float(first.input_tokens.mean()), float(first.output_tokens.mean())
+        sg_f = footprint(first.input_tokens, first.output_tokens)
         for wl in cfg.workloads:
             folder = tmp / wl
             folder.mkdir(parents=True)
@@ -174,7 +180,7 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
                 wcfg = sharegpt_like(cfg.n_requests, 1.0,
                                      bursty_cv=cfg.bursty_cv if wl == "bursty" else None)
                 base = {s: make_trace(wcfg, s) for s in cfg.seeds}
-                mean_prompt, mean_out = sg_prompt, sg_out
+                mean_prompt, mean_out, f = sg_prompt, sg_out, sg_f
                 for s in cfg.seeds:
                     tr = base[s]
                     true = tr.output_tokens.astype(np.float64)
@@ -203,7 +209,8 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
                 served = np.maximum(1, test["served_length"].to_numpy())
                 pred = test["pred"].to_numpy()
                 mean_prompt, mean_out = float(p_tok.mean()), float(served.mean())
-                scale = footprint(mean_prompt, mean_out) / footprint(sg_prompt, sg_out)
+                f = footprint(p_tok, served)
+                scale = f / sg_f
                 biggest = int((p_tok + served).max())
                 bt = cfg.cluster.block_tokens
                 caps = [max(_round_up(c * scale, bt), _round_up(biggest, bt)) for c in caps]
@@ -228,7 +235,7 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
                                - cal["pred"].to_numpy())
                     cals.append(pl.DataFrame({"seed": np.full(len(cal_res), s),
                                               "residual": cal_res.astype(np.float64)}))
-            cap_rate = capacity_rate(profile, caps, mean_prompt, mean_out,
+            cap_rate = capacity_rate(profile, caps, f, mean_prompt, mean_out,
                                      cfg.cluster.max_batch_seqs)
             rates = [f * cap_rate for f in cfg.load_factors]
             for s in cfg.seeds:
@@ -239,8 +246,10 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
             io.write_parquet(folder / "calibration.parquet", pl.concat(cals))
             manifest["workloads"][wl] = {
                 "rates": rates, "capacity_rate": cap_rate, "decode_kv_tokens": caps,
-                "prefill_kv_tokens": pcap, "mean_prompt": mean_prompt, "mean_output": mean_out}
-            metrics.update({f"{wl}/capacity_rate": cap_rate, f"{wl}/mean_prompt": mean_prompt,
+                "prefill_kv_tokens": pcap, "mean_prompt": mean_prompt, "mean_output": mean_out,
+                "kv_footprint": f}
+            metrics.update({f"{wl}/capacity_rate": cap_rate, f"{wl}/kv_footprint": f,
+                            f"{wl}/mean_prompt": mean_prompt,
                             f"{wl}/mean_output": mean_out,
                             **{f"{wl}/decode{k}_kv_tokens": float(c) for k, c in enumerate(caps)}})
             allp = pl.concat(preds)
