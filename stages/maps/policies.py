@@ -82,7 +82,8 @@ class _Counting(Policy):
         return chosen
 
     def on_round_done(self, job: Job, now: float) -> None:
-        self.outstanding[job.decode.index] -= 1
+        if job.decode is not None:   # a one-token request ends at its prefill, never dispatched
+            self.outstanding[job.decode.index] -= 1
 
 
 class RoundRobin(_Counting):

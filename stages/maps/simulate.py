@@ -98,8 +98,10 @@ def _task(args: tuple) -> list[dict[str, Any]]:
         e2e = r["e2e_s"]
         sid = r["session"]
         upper = getattr(policy, "upper", None)
-        cov = (float(np.mean(r["output_tokens"] <= upper[sid])) if upper is not None
-               and arm not in ("oracle", "maps_no_uac") else float("nan"))
+        cov = float("nan")
+        if upper is not None and arm not in ("oracle", "maps_no_uac"):
+            used = ~np.isnan(upper[sid])   # dispatched requests (a one-token one never is)
+            cov = float(np.mean(r["output_tokens"][used] <= upper[sid][used]))
         decoders = [i for i in res.instances if i["role"] == "decode"]
         row = {"workload": wl_name, "seed": seed, "rate_index": rate_i,
                "rate": float(wl["rates"][rate_i]), "load": float(wl["load_factors"][rate_i]),

@@ -84,3 +84,25 @@ def test_llumnix_migrates_only_and_every_arm_runs_within_capacity():
         make_policy("mapz", 2, pred=true, pred_weak=None, true=true, calibration=true,
                     calibration_weak=None, alpha=0.1, window=20, max_wait_s=1.0,
                     block_tokens=16, migrate_threshold=0.9, migrate_every=4)
+
+
+def test_one_token_requests_end_at_the_prefill_without_dispatch():
+    """A request of one output token is done when its prefill emits that token: no decoder is
+    ever bound (the real predictor's workload has such requests)."""
+    from stages.serving.workload import Trace
+
+    base = make_trace(sharegpt_like(60, 8.0), 3)
+    out = base.output_tokens.copy()
+    out[::3] = 1
+    trace = Trace.from_columns(session=base.session, round=base.round, arrival_s=base.arrival_s,
+                               input_tokens=base.input_tokens, output_tokens=out,
+                               tool_gap_s=base.tool_gap_s)
+    true = out.astype(float)
+    for arm in ("round_robin", "least_request", "llumnix", "maps", "oracle"):
+        policy = make_policy(arm, 2, pred=true, pred_weak=None, true=true,
+                             calibration=np.zeros(20), calibration_weak=None, alpha=0.1,
+                             window=20, max_wait_s=1.0, block_tokens=16,
+                             migrate_threshold=0.9, migrate_every=4)
+        res = simulate(trace, CLUSTER, A100, policy)
+        assert (res.rounds["decode_instance"][out == 1] == -1).all()
+        assert policy.outstanding == [0, 0]
