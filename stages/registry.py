@@ -133,6 +133,16 @@ STAGES: dict[str, dict[str, str]] = {
         "simulate": "stages.ampd.simulate",
         "compare": "stages.ampd.compare",
     },
+    # MAPS: Appendix A skew simulation; a real length predictor + conformal bound (UAC) on the
+    # base model's own generations; ShareGPT-like, bursty and own-model traces; every arm
+    # (stages.maps.policies) on the serving simulator; claims by paired CI.
+    "maps": {
+        "motivation": "stages.maps.motivation",
+        "predictor": "stages.maps.predictor",
+        "workload": "stages.maps.workload",
+        "simulate": "stages.maps.simulate",
+        "compare": "stages.maps.compare",
+    },
 }
 
 # How each pipeline's README results table is rendered from its DVC metrics ("module:function"
@@ -148,6 +158,7 @@ REPORTS: dict[str, str] = {
     "racer": "stages.racer.compare:results_table",
     "serving": "stages.serving.report:results_table",
     "ampd": "stages.ampd.compare:results_table",
+    "maps": "stages.maps.compare:results_table",
 }
 
 # The root README's pipeline table (`paperline report` renders it with the measured `cpu` wall
@@ -170,6 +181,9 @@ PAPERS: dict[str, dict[str, str]] = {
     "racer": {"paper": "RACER, arXiv 2605.10805",
               "compares": "KL-robust budgeted routing between a reasoning and a direct judge vs "
                           "ERM, threshold, always-one, random"},
+    "maps": {"paper": "MAPS, arXiv 2609.15359",
+             "compares": "predictive, memory-aware dispatch + SJF vs round-robin, least-request, "
+                         "Llumnix-like on a simulated PD-disaggregated cluster"},
     "trace": {"paper": "TRACE, arXiv 2605.29656",
               "compares": "Toulmin-structure score of chains of thought: correlation with "
                           "accuracy; GRPO with a TRACE reward"},

@@ -96,6 +96,8 @@ class Config(BaseModel):
     cal_fraction: float = Field(0.25, gt=0, lt=1, description="share of prompts for calibration")
     test_fraction: float = Field(0.25, gt=0, lt=1, description="share of prompts for the test")
     alpha: float = Field(0.1, gt=0, lt=1, description="miscoverage α (paper: 0.1)")
+    register_as: str | None = Field("maps-predictor", description="MLflow registered model "
+                                    "name (None: not registered)")
     acc_tokens: list[float] = Field(
         default_factory=lambda: [5, 10, 50, 100], min_length=1,
         description="k of Acc-k (paper: 50, 100; our completions are tens of tokens, so small "
@@ -482,6 +484,9 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     save_predictor(trained.predictor, ctx.path(cfg.predictor_path))
     io.write_parquet(ctx.path(cfg.samples_path), trained.table)
     m = trained.metrics
+    if cfg.register_as and ctx.tracker is not None:   # with the run that made it
+        ctx.tracker.register_model(ctx.path(cfg.predictor_path), cfg.register_as,
+                                   aliases=["champion"], artifact_path="maps-predictor")
     print(f"maps predictor: test MAE {m['test_mae']:.2f} (constant {m['test_mae_constant']:.2f}), "
           f"q_alpha {m['q_alpha']:.1f}, coverage {m['test_coverage']:.3f} "
           f"(bounds {m['coverage_lower_bound']:.3f}..{m['coverage_upper_bound']:.3f})")
