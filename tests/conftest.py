@@ -133,6 +133,15 @@ def smoke_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return repo
 
 
+@pytest.fixture
+def smoke_copy(smoke_repo: Path, tmp_path: Path) -> Path:
+    """A copy of the reproduced smoke repo (cache, MLflow store and all) a test may change: a
+    test that needs `base` built starts here instead of reproducing it again."""
+    dest = tmp_path / "repo"
+    shutil.copytree(smoke_repo, dest, symlinks=True)
+    return dest
+
+
 def paperline(repo: Path, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
     return subprocess.run([str(Path(sys.executable).parent / "paperline"), *args], cwd=repo,
                           capture_output=True, text=True, timeout=timeout)

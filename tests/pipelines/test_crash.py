@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -23,11 +22,9 @@ OUTS = ["metrics/evaluate.json", "data/eval/base_samples.parquet", "plots/base_a
 
 
 @pytest.fixture
-def crash_repo(smoke_repo: Path, tmp_path: Path) -> Path:
+def crash_repo(smoke_copy: Path) -> Path:
     """A copy of the reproduced smoke repo (cache, MLflow store and all) this test may break."""
-    dest = tmp_path / "repo"
-    shutil.copytree(smoke_repo, dest, symlinks=True)
-    return dest
+    return smoke_copy
 
 
 def _ppid(pid: int) -> int | None:

@@ -2,11 +2,11 @@
 whose DVC hashes equal the first clone's, stage by stage.
 
 Run 1 is the smoke repro the pipeline's own test module already made (`smoke_repo` for `base`, a
-module fixture for the others). Run 2 is a fresh `copy_repo` reproduced the same way under another
-inherited `PYTHONHASHSEED`, which every stage must override (stages/core/proc.py). A pipeline
-other than `base` gets run 1's root-stage outputs, lock and cache objects (not the run-cache), so
-`base` is not retrained while every stage of the pipeline under test computes again; the test
-checks from dvc's log that each of them ran.
+module fixture for the others). Run 2 is a fresh `copy_repo` reproduced the same way (or only some
+stages of it, `only=`) under another inherited `PYTHONHASHSEED`, which every stage must override
+(stages/core/proc.py). A pipeline other than `base` gets run 1's root-stage outputs, lock and
+cache objects (not the run-cache), so `base` is not retrained while every stage of the pipeline
+under test computes again; the test checks from dvc's log that each of them ran.
 
 What is compared, per stage of the pipeline's dvc.yaml: the md5 in dvc.lock of every `outs` and
 `plots` entry, and of every `metrics` file whose keys hold no wall time (`*seconds*`, `*time*`,
@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import copy_repo, paperline
+from tests.conftest import copy_repo, dvc, paperline
 
 pytestmark = pytest.mark.slow
 
@@ -97,17 +97,27 @@ def share_root_stages(first: Path, second: Path) -> None:
 
 
 def assert_same_bytes(first: Path, pipeline: str, dvcfile: str, dest: Path,
-                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """Reproduce `pipeline` in a fresh copy at `dest` and compare its outputs with `first`'s."""
+                      monkeypatch: pytest.MonkeyPatch, only: list[str] | None = None) -> None:
+    """Reproduce `pipeline` in a fresh copy at `dest` and compare its outputs with `first`'s.
+
+    `only`: these stages of `dvcfile` (each with its upstream stages, which must be among them)
+    through `dvc repro <dvcfile>:<stage>`, instead of the whole pipeline through `paperline repro`.
+    """
     assert os.environ.get("PYTHONHASHSEED") != OTHER_HASH_SEED
     second = copy_repo(dest)
     if pipeline != "base":
         share_root_stages(first, second)
     monkeypatch.setenv("PYTHONHASHSEED", OTHER_HASH_SEED)
-    proc = paperline(second, "repro", pipeline, timeout=1800)
+    if only:
+        proc = dvc(second, "repro", *[f"{dvcfile}:{stage}" for stage in only], timeout=1800)
+    else:
+        proc = paperline(second, "repro", pipeline, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
     one, two = locked_outputs(first, dvcfile), locked_outputs(second, dvcfile)
+    if only:
+        one, two = ({key: value for key, value in outs.items() if key[0] in only}
+                    for outs in (one, two))
     assert one.keys() == two.keys()
     stages = {stage for stage, _ in one}
     assert ran(proc.stdout) == stages, proc.stdout[-4000:]  # each compared stage computed again
