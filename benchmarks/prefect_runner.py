@@ -198,8 +198,11 @@ def main() -> int:
         | each further stage of a chain (slope) | {slope_seq:.2f} s | {slope_pre:.2f} s | {slope_pre / slope_seq:.2f}x per stage |
 
         A chain (stages that could only run one after the other) runs as one `dvc repro` in one
-        workspace (`flows.runner.chains`), so a further stage costs what it costs DVC; what the
-        runner adds is paid once per run: the flow start, the DVC plan, the MLflow parent run, a
+        workspace (`flows.runner.chains`): one DVC start-up, sync and upstream restore per chain, not
+        per stage. A further stage still costs its run in the workspace plus its restore from the
+        run-cache by the final `dvc repro` (about twice DVC's own per-stage cost; a `dvc checkout`
+        of merged lock entries would be cheaper, but `cache: false` outputs live only in the
+        run-cache). What the runner adds once per run: the flow start, the DVC plan, the MLflow parent run, a
         workspace sync and one final `dvc repro` restoring every output in the main workspace
         (the fixed part, about {pre_b - slope_pre * args.chain:.1f} s here against
         {seq_b - slope_seq * args.chain:.1f} s for `dvc repro`). Not included: the Prefect server's start-up (none with the
