@@ -75,6 +75,8 @@ INPUTS: dict[str, Callable[[], FrameSpec]] = {
     "racer/outcomes (train_router)": _attr("stages.racer.outcomes", "outcome_spec"),
     "trace/sentences (label)": _schema("stages.trace.corpus", "SENT_SCHEMA"),
     "trace/sft (policy)": _schema("stages.trace.corpus", "SFT_SCHEMA"),
+    "serving/trace (ampd simulate, maps simulate)": _attr("stages.serving.workload",
+                                                          "trace_spec"),
 }
 
 # Modules reading through the loader with a spec built inside the reading function; their
@@ -199,7 +201,7 @@ def test_every_reading_module_is_covered():
                "stages/proofverify/compare.py", "stages/proofverify/oracle.py",
                "stages/proofverify/train_judge.py", "stages/racer/outcomes.py",
                "stages/racer/features.py", "stages/trace/label.py",
-               "stages/trace/policy.py"} | set(INLINE)
+               "stages/trace/policy.py", "stages/serving/workload.py"} | set(INLINE)
     readers = set()
     for path in (REPO / "stages").rglob("*.py"):
         tree = ast.parse(path.read_text())
