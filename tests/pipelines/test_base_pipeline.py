@@ -191,9 +191,10 @@ def test_killed_stage_leaves_no_half_written_output(smoke_copy: Path):
     model = smoke_copy / "models/base"
     assert not model.exists() or (model / "config.json").is_file() and list(model.glob("*.safetensors"))
     leftovers = [p.name for p in (smoke_copy / "models").iterdir() if ".tmp-" in p.name]
-    # --no-run-cache: base runs again instead of being restored from the run-cache
+    # The copy was built before: its cache holds the last good model, so DVC may restore that
+    # (the killed forced run never wrote the lock) or run base again; either way whole.
     out = dvc(smoke_copy, "repro", "--no-run-cache", "dvc.yaml").stdout
-    assert "base" in ran(out), out
+    assert "base" in ran(out) or "Stage 'base' is cached" in out, out
     assert (smoke_copy / "models/base/config.json").is_file()
     assert "up to date" in dvc(smoke_copy, "status", "dvc.yaml").stdout
     # Temporaries of the killed run are cleaned by the rerun.

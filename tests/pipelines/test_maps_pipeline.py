@@ -68,7 +68,8 @@ def test_every_arm_seed_rate_present_on_identical_traces(maps_repo: Path):
 def test_no_decoder_over_capacity_and_policies_differ(maps_repo: Path):
     runs = pl.read_parquet(maps_repo / P / "data/runs.parquet")
     for c in ("kv_peak_decoder0", "kv_peak_decoder1"):
-        assert runs[c].max() <= 1.0 and runs[c].min() > 0.0
+        # never over capacity; used by some run (a dispatcher may leave one idle at low load)
+        assert 0.0 < runs[c].max() <= 1.0 and runs[c].min() >= 0.0
     sim = json.loads((maps_repo / P / "metrics/simulate.json").read_text())
     assert sim["kv_peak_max"] <= 1.0
     # the arms really route differently: round-robin splits requests evenly, MAPS does not
