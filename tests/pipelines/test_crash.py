@@ -168,8 +168,15 @@ def test_a_stage_runs_in_a_fresh_workspace(smoke_repo: Path, tmp_path: Path):
 
     from flows.runner import repo_outs, source_files, sync_workspace
 
+    import shutil
+
     with Repo(str(smoke_repo)) as r:
-        cache_dir = str(Path(r.cache.local_cache_dir).resolve())
+        shared = Path(r.cache.local_cache_dir).resolve()
+    # a copy of the main cache: label's run here must not enter the shared smoke repo's
+    # run-cache, or a later `paperline repro trace` there restores label instead of running it
+    # (and never registers trace-tagger in that repo's MLflow store)
+    cache_dir = str(tmp_path / "cache")
+    shutil.copytree(shared, cache_dir)
     ws = tmp_path / "ws"
     sync_workspace(smoke_repo, ws, source_files(smoke_repo, repo_outs(smoke_repo)), cache_dir)
     assert not (ws / "models/base").exists()
