@@ -281,3 +281,9 @@ def results_table(metrics: dict[str, dict[str, Any]]) -> str:
             lines += ["", "The paper's claims are not tested in this regime: the paired test "
                           "needs each seed's values, which its record does not keep."]
     return "\n".join(lines) + "\n"
+
+
+def headline(metrics: dict[str, float]) -> dict[str, float]:
+    """DVC metrics: how many claims are reproduced / inconclusive / contradicted; each claim and
+    every arm's numbers in details/compare.json."""
+    return stats.verdict_counts(metrics)

@@ -105,3 +105,11 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     metrics["test_wrong_step_share"] = 1 - sum(t for r in test_rows for t in r["step_correct"]) \
         / metrics["test_steps"]
     return metrics
+
+
+def headline(metrics: dict[str, float]) -> dict[str, float]:
+    """DVC metrics: the full-data PRM's test step F1 and best-of-N accuracy, and majority vote's
+    best-of-N (the reference without a PRM); every subset in details/evaluate.json."""
+    return {new: metrics[old] for new, old in (("full_f1", "full/f1_mean"),
+                                               ("full_best_of_n", "full/best_of_n_mean"),
+                                               ("bon_majority", "bon_majority")) if old in metrics}

@@ -389,3 +389,9 @@ def oracle_table(o: dict[str, Any]) -> list[str]:
               for b in budgets if b < top),
             f"- Hybrid ≥ pure GenSelect at B = {top}: "
             f"{claim(f'claim/hybrid_vs_genselect/B{top}/proof_acc')}"]
+
+
+def headline(metrics: dict[str, float]) -> dict[str, float]:
+    """DVC metrics: how many claims are reproduced / inconclusive / contradicted; each claim and
+    every arm's numbers in details/compare.json."""
+    return stats.verdict_counts(metrics)

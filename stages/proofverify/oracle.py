@@ -262,3 +262,9 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
           f"{m[f'hybrid/B{top}/proof_acc_mean']:.3f}, majority "
           f"{m[f'majority/B{top}/proof_acc_mean']:.3f}")
     return m
+
+
+def headline(metrics: dict[str, float]) -> dict[str, float]:
+    """DVC metrics: how many of the predicted orderings are reproduced / inconclusive /
+    contradicted; every arm and budget in details/oracle.json."""
+    return stats.verdict_counts(metrics)

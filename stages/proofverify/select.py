@@ -306,3 +306,11 @@ def summary(sel: pl.DataFrame, cands: pl.DataFrame, seconds_per_problem: float) 
             "calls_per_problem": calls,
             "parse_fail_rate": float(sel["parse_failures"].sum() / max(1, sel["calls"].sum())),
             "seconds_per_problem": seconds_per_problem}
+
+
+def headline(metrics: dict[str, float]) -> dict[str, float]:
+    """DVC metrics: the rule's proof-level and final-answer accuracy and verifier calls per
+    problem (the same names for every rule: one row each in `dvc metrics show`); the parse
+    failure rate in details/<rule>.json."""
+    return {k: metrics[k] for k in ("proof_acc", "answer_acc", "calls_per_problem")
+            if k in metrics}

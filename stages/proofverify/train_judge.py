@@ -214,3 +214,9 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
                                              "prompt_style": cfg.prompt_style})
     ctx.log_params({"val_problems": n_val})
     return metrics
+
+
+def headline(metrics: dict[str, float]) -> dict[str, float]:
+    """DVC metrics: the judge's and the selector's validation accuracy; the training record in
+    details/train_judge.json."""
+    return {k: metrics[k] for k in ("judge_val_acc", "selector_val_acc") if k in metrics}

@@ -385,3 +385,9 @@ def results_table(metrics: dict[str, dict[str, Any]]) -> str:
                   f"fitted linear rate of |lambda_t - lambda*| <= {s['max_rate']:.4f} per "
                   f"iteration (log-linear fit R^2 >= {s['min_rate_r2']:.3f}).", ""]
     return "\n".join(lines)
+
+
+def headline(metrics: dict[str, float]) -> dict[str, float]:
+    """DVC metrics: how many claims are reproduced / inconclusive / contradicted; each claim,
+    method, budget and split stays in details/evaluate.json (and one MLflow run per method)."""
+    return stats.verdict_counts(metrics)

@@ -612,3 +612,9 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
                                        artifact_path=f"router-{arm.name}")
     del torch
     return metrics
+
+
+def headline(metrics: dict[str, float]) -> dict[str, float]:
+    """DVC metrics: the data the routers trained on; every router's validation accuracy, cost
+    and lambda per (arm, budget, seed) stay in details/train_router.json."""
+    return {k: metrics[k] for k in ("train_items", "val_items") if k in metrics}

@@ -391,3 +391,10 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
                                              "paperline.seed": str(seed)},
                                        artifact_path=f"model-{arm}")
     return metrics
+
+
+def headline(metrics: dict[str, float]) -> dict[str, float]:
+    """DVC metrics: the mean final validation F1 over every PRM trained (`val_f1_mean`); each
+    (arm, seed) in details/train_prm.json."""
+    f1 = [v for k, v in metrics.items() if k.endswith("/val_f1") and math.isfinite(v)]
+    return {"val_f1_mean": sum(f1) / len(f1)} if f1 else {}
