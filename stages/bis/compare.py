@@ -257,7 +257,7 @@ def _corpus(wrong: float, mc_negative: float, mixed: float, mc_mixed: float,
 def results_table(metrics: dict[str, dict[str, Any]]) -> str:
     """README tables from the compare stage's metrics: arms as rows, nothing typed by hand.
 
-    A second regime's metrics (`metrics/regime_*.json`: a compare dict plus `corpus/*`, `regime/*`
+    A second regime's metrics (`details/regime_*.json`: a compare dict plus `corpus/*`, `regime/*`
     and `source`, kept from a committed run at other problem settings) get their own table."""
     m = metrics.get("compare", {})
     if not any(k.endswith("/f1_mean") for k in m):

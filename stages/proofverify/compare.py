@@ -21,12 +21,12 @@ spread cancels), each reported with its verdict and minimum detectable effect. T
 get the paired difference and CI without a verdict (`diff/hybrid_<rule>_*`).
 
 Outputs: `report/table.md`, `plots/selection.csv` (accuracy vs calls per arm, `dvc plots`) and
-the flat metrics (`metrics/compare.json`) the README table is rendered from.
+the flat metrics (`details/compare.json`; the verdict counts in `metrics/compare.json`) the README
+table is rendered from.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import random
 from typing import Any
@@ -269,9 +269,8 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     m |= hybrid_claims(sel, cands, cfg)
     m |= paired_vs_hybrid(sel, cands, cfg.bootstrap)
     tables: dict[str, dict[str, Any]] = {"compare": m}
-    oracle_json = ctx.metrics_dir / "oracle.json"     # stage `oracle`, when it has run
-    if oracle_json.is_file():
-        tables["oracle"] = json.loads(oracle_json.read_text())
+    if (ctx.details_dir / "oracle.json").is_file():   # stage `oracle`, when it has run
+        tables["oracle"] = ctx.stage_metrics("oracle")
     with io.atomic_path(ctx.path(cfg.report), is_dir=True) as tmp:
         io.write_text(tmp / "table.md", results_table(tables))
     plot = ctx.pipeline_dir / cfg.plot

@@ -26,7 +26,6 @@ bootstrap draws; pairs = the number of conditions.
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any
 
