@@ -382,9 +382,14 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
                     metrics[f"{arm}/seed{seed}/{key}"] = got["metrics"][key]
         io.write_parquet(tmp / "curves.parquet", pl.DataFrame(curves))
         io.write_json(tmp / "budget.json", settings)
-    if cfg.register_as and ctx.tracker is not None:
-        for arm in cfg.register_arms:
-            seed = subsets.filter(pl.col("arm") == arm)["seed"].min()
+        # which models go to the registry: the evaluation stage tags those versions with its
+        # test scores (`StageTracker.annotate_model`)
+        registered = {arm: int(subsets.filter(pl.col("arm") == arm)["seed"].min())
+                      for arm in cfg.register_arms} if cfg.register_as else {}
+        io.write_json(tmp / "registered.json", {f"{arm}/seed{seed}": cfg.register_as
+                                                for arm, seed in registered.items()})
+    if ctx.tracker is not None:
+        for arm, seed in registered.items():
             ctx.tracker.register_model(out / arm / f"seed{seed}", cfg.register_as,
                                        aliases=[arm.replace("_", "-")],
                                        tags={"paperline.method": arm, "paperline.subset": arm,
