@@ -166,8 +166,24 @@ def readme_for(root: Path, pipeline: str) -> Path:
     return (root / "pipelines" / "base" / "README.md") if d == root else d / "README.md"
 
 
-def update_readme(root: Path, pipeline: str) -> Path:
-    """Replace the text between the results markers of the pipeline's README."""
+def missing_details(root: Path, pipeline: str) -> list[str]:
+    """Stages whose headline is there but not their details: `details/<stage>.json` are DVC
+    outputs (in the DVC cache, not in git), absent from a fresh clone until the pipeline runs or
+    `dvc pull` fetches them. A README rendered from the headline alone would lose its tables."""
+    from stages.registry import STAGES
+
+    ctx, _, _ = build_context(root, pipeline, "report")
+    return [str((ctx.details_dir / f"{s}.json").relative_to(root))
+            for s in STAGES.get(pipeline, {})
+            if (ctx.metrics_dir / f"{s}.json").is_file()
+            and not (ctx.details_dir / f"{s}.json").is_file()]
+
+
+def update_readme(root: Path, pipeline: str) -> Path | None:
+    """Replace the text between the results markers of the pipeline's README; None (README left
+    as it is) when details files are missing (`missing_details`)."""
+    if missing_details(root, pipeline):
+        return None
     readme = readme_for(root, pipeline)
     table = results_table(root, pipeline)
     ctx, _, _ = build_context(root, pipeline, "report")
