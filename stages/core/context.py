@@ -48,8 +48,9 @@ class Context:
     @property
     def details_dir(self) -> Path:
         """`<paths.details>` for the shared stages; `pipelines/<slug>/details` for a paper's
-        pipeline: every number a stage returned (timings aside), a plain git-tracked output
-        (`outs` with `cache: false`), so `dvc metrics show` stays a short summary."""
+        pipeline: every number a stage returned (timings aside), a DVC output (cached like the
+        stage's data: a `cache: false` one would turn off DVC's run-cache for the stage), so
+        `dvc metrics show` stays a short summary."""
         if self.pipeline_dir != self.root:
             return self.pipeline_dir / "details"
         return self.paths.get("details") or self.metrics_dir.parent / "details"

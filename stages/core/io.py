@@ -93,7 +93,7 @@ def is_timing_key(key: str) -> bool:
 
 
 def write_metrics(path: str | os.PathLike[str], metrics: dict[str, float]) -> Path:
-    """A flat {key: number} file for DVC (metrics) or git (details): sorted keys, and an
+    """A flat {key: number} file for DVC (headline metrics, details): sorted keys, and an
     undefined value (NaN, +-inf) written as `null`. Python's `NaN` token is not JSON, and
     `dvc metrics diff` reports NaN -> NaN as a change (NaN != NaN); DVC skips a null, so an
     undefined value shows as `-` and never as a change. `read_metrics` gives NaN back."""
