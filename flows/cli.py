@@ -221,11 +221,17 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from flows.results import update_readme
+    from flows.results import missing_details, update_readme
 
     root = _root()
     for p in _pipelines(root, args.pipeline, not args.pipeline):
-        print(f"updated {update_readme(root, p).relative_to(root)}")
+        readme = update_readme(root, p)
+        if readme is None:
+            gone = missing_details(root, p)
+            print(f"kept the README of {p}: {len(gone)} details file(s) missing ({gone[0]}, "
+                  f"...): run the pipeline or `dvc pull` first", file=sys.stderr)
+            continue
+        print(f"updated {readme.relative_to(root)}")
     from flows.overview import update_root_readme
 
     print(f"updated {update_root_readme(root).relative_to(root)} (pipeline table)")

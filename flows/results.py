@@ -1,5 +1,6 @@
 """Results: `paperline compare` (MLflow registry + runs side by side) and `paperline report`
-(the results table in each pipeline's README, regenerated from its DVC metrics).
+(the results table in each pipeline's README, regenerated from its stage metrics: the DVC
+headline `metrics/<stage>.json` and every number in `details/<stage>.json`).
 
 Nothing here types a number: tables are rendered from metrics files written by stages and from
 the MLflow tracking store.
@@ -24,17 +25,20 @@ END = "<!-- results:end -->"
 
 # --------------------------------------------------------------------------- report (DVC metrics)
 
-def load_metrics(root: Path, pipeline: str) -> dict[str, dict[str, Any]]:
-    """stage -> metrics dict, read from `<metrics_dir>/<stage>.json` of the pipeline."""
+def load_metrics(root: Path, pipeline: str, *, headline: bool = False
+                 ) -> dict[str, dict[str, Any]]:
+    """stage -> every number it returned: `details/<stage>.json` over `metrics/<stage>.json`
+    (the headline, DVC's metrics), NaN where a file holds null. With `headline`, only the
+    headline files: what `dvc metrics show` prints."""
     ctx, _, _ = build_context(root, pipeline, "report")
-    mdir = ctx.metrics_dir
     out: dict[str, dict[str, Any]] = {}
-    if mdir.is_dir():
-        for f in sorted(mdir.glob("*.json")):
+    folders = [ctx.metrics_dir] if headline else [ctx.metrics_dir, ctx.details_dir]
+    for folder in folders:
+        for f in sorted(folder.glob("*.json")) if folder.is_dir() else []:
             try:
-                out[f.stem] = json.loads(f.read_text())
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{f}: not valid JSON ({exc})") from None
+                out.setdefault(f.stem, {}).update(io.read_metrics(f))
+            except (json.JSONDecodeError, ValueError) as exc:
+                raise ValueError(f"{f}: not a metrics file ({exc})") from None
     return out
 
 
@@ -113,9 +117,10 @@ def publish_results(root: Path, pipeline: str, stage_table: str, ok: bool) -> st
 
 def log_results(root: Path, pipeline: str, run_id: str) -> int:
     """Attach the pipeline's results to its parent run (one execution): `results.md` (the
-    summary table), its plots and report files as artifacts, and every number of its metrics
-    files as a metric `<stage>/<key>`, so the parent run is the execution's summary in MLflow.
-    Returns the metrics logged; never fails a pipeline that ran (a warning says why)."""
+    summary table), its plots, report and details files as artifacts, and every headline number
+    (its DVC metrics files) as a metric `<stage>/<key>`, so the parent run is the execution's
+    summary in MLflow. Returns the metrics logged; never fails a pipeline that ran (a warning
+    says why)."""
     import logging
     import tempfile
     import time
@@ -132,9 +137,10 @@ def log_results(root: Path, pipeline: str, run_id: str) -> int:
             return 0  # nothing ran: the empty parent was removed
         now = int(time.time() * 1000)
         values = [Metric(mlflow_key(f"{stage}/{k}")[:250], float(v), now, 0)
-                  for stage, m in load_metrics(root, pipeline).items()
+                  for stage, m in load_metrics(root, pipeline, headline=True).items()
                   for k, v in _flatten(m).items()
-                  if isinstance(v, (int, float)) and not isinstance(v, bool)]
+                  if isinstance(v, (int, float)) and not isinstance(v, bool)
+                  and math.isfinite(v)]
         for i in range(0, len(values), 1000):
             client.log_batch(run_id, metrics=values[i:i + 1000])
         with tempfile.TemporaryDirectory() as tmp:
@@ -142,7 +148,9 @@ def log_results(root: Path, pipeline: str, run_id: str) -> int:
             page.write_text(results_markdown(root, pipeline))
             client.log_artifact(run_id, str(page))
         pdir = pipeline_dirs(root)[pipeline]
-        for folder in (pdir / "plots", pdir / "report", root / "reports" / pipeline):
+        ctx, _, _ = build_context(root, pipeline, "report")
+        for folder in (pdir / "plots", pdir / "report", ctx.details_dir,
+                       root / "reports" / pipeline):
             for f in sorted(folder.glob("*")) if folder.is_dir() else []:
                 if f.suffix in (".png", ".csv", ".md", ".json") and f.is_file():
                     client.log_artifact(run_id, str(f), folder.name)
@@ -158,13 +166,29 @@ def readme_for(root: Path, pipeline: str) -> Path:
     return (root / "pipelines" / "base" / "README.md") if d == root else d / "README.md"
 
 
-def update_readme(root: Path, pipeline: str) -> Path:
-    """Replace the text between the results markers of the pipeline's README."""
+def missing_details(root: Path, pipeline: str) -> list[str]:
+    """Stages whose headline is there but not their details: `details/<stage>.json` are DVC
+    outputs (in the DVC cache, not in git), absent from a fresh clone until the pipeline runs or
+    `dvc pull` fetches them. A README rendered from the headline alone would lose its tables."""
+    from stages.registry import STAGES
+
+    ctx, _, _ = build_context(root, pipeline, "report")
+    return [str((ctx.details_dir / f"{s}.json").relative_to(root))
+            for s in STAGES.get(pipeline, {})
+            if (ctx.metrics_dir / f"{s}.json").is_file()
+            and not (ctx.details_dir / f"{s}.json").is_file()]
+
+
+def update_readme(root: Path, pipeline: str) -> Path | None:
+    """Replace the text between the results markers of the pipeline's README; None (README left
+    as it is) when details files are missing (`missing_details`)."""
+    if missing_details(root, pipeline):
+        return None
     readme = readme_for(root, pipeline)
     table = results_table(root, pipeline)
     ctx, _, _ = build_context(root, pipeline, "report")
-    block = (f"{START}\nProfile `{ctx.profile}`, from `{ctx.metrics_dir.relative_to(root)}/`.\n\n"
-             f"{table}\n{END}")
+    block = (f"{START}\nProfile `{ctx.profile}`, from `{ctx.metrics_dir.relative_to(root)}/` "
+             f"and `{ctx.details_dir.relative_to(root)}/`.\n\n{table}\n{END}")
     text = readme.read_text() if readme.exists() else f"# {pipeline}\n\n## Results\n\n"
     if START in text and END in text:
         head, rest = text.split(START, 1)

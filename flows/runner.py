@@ -35,7 +35,9 @@ the run-cache). Fan-outs, joins, GPU stages and stages DVC cannot run-cache stay
 Run-cache rule (what dvc.yaml files must follow so nothing is computed twice): a stage is
 run-cacheable only when it has a `cmd`, at least one dep and at least one out (metrics/plots
 count), all local paths inside the repo, no `persist: true` out and no `always_changed: true`.
-`cache: false` outs (metrics JSON) ARE saved in and restored from the run-cache. A stage that
+`cache: false` metrics and plots ARE saved in and restored from the run-cache; any other
+`cache: false` out makes DVC skip the run-cache for the stage (which is why every stage's
+`details/<stage>.json` is a cached out; tests/unit/test_metrics_files.py). A stage that
 breaks the rule still runs correctly here but is computed a second time by the final `dvc repro`
 (a warning names it).
 
@@ -139,8 +141,9 @@ def _display_name(root: Path, stage: Any, own_dvcfile: str) -> str:
 
 
 def _can_run_cache(stage: Any) -> bool:
-    """DVC's run-cache rule (`dvc.stage.cache._can_hash`), without its check that every dep
-    exists already (an upstream output appears only once the upstream stage ran)."""
+    """DVC's run-cache rule (`dvc.stage.cache._can_hash`, and `Stage.run`'s: no `cache: false`
+    out other than metrics and plots), without its check that every dep exists already (an
+    upstream output appears only once the upstream stage ran)."""
     try:
         if stage.is_callback or stage.always_changed:
             return False
@@ -149,7 +152,7 @@ def _can_run_cache(stage: Any) -> bool:
         if any(d.protocol != "local" or not d.def_path for d in stage.deps):
             return False
         return all(o.protocol == "local" and o.def_path and not o.persist and o.is_in_repo
-                   for o in stage.outs)
+                   and (o.use_cache or o.is_metric or o.is_plot) for o in stage.outs)
     except Exception:
         return False
 

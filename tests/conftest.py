@@ -33,7 +33,7 @@ os.environ.pop("MLFLOW_TRACKING_URI", None)  # tests use the repo copy's embedde
 os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
 
 # What a fresh clone has: tracked and untracked-but-not-ignored files.
-_SKIP = {".git", ".venv", ".paperline", "data", "models", "metrics", "plots", "reports",
+_SKIP = {".git", ".venv", ".paperline", "data", "models", "metrics", "details", "plots", "reports",
          ".pytest_cache", ".hypothesis", "__pycache__"}
 
 

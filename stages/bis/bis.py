@@ -234,3 +234,9 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
             table, schema={"arm": pl.String, "seed": pl.Int64, "rollout_id": pl.String}))
         io.write_json(tmp / "arms.json", [a.model_dump() for a in cfg.arms])
     return metrics
+
+
+def headline(metrics: dict[str, float]) -> dict[str, float]:
+    """DVC metrics: how many subsets were selected (`arms`); each subset's composition in
+    details/select.json."""
+    return {"arms": float(len({k.split("/")[0] for k in metrics if k.endswith("/steps")}))}

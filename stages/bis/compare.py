@@ -257,7 +257,7 @@ def _corpus(wrong: float, mc_negative: float, mixed: float, mc_mixed: float,
 def results_table(metrics: dict[str, dict[str, Any]]) -> str:
     """README tables from the compare stage's metrics: arms as rows, nothing typed by hand.
 
-    A second regime's metrics (`metrics/regime_*.json`: a compare dict plus `corpus/*`, `regime/*`
+    A second regime's metrics (`details/regime_*.json`: a compare dict plus `corpus/*`, `regime/*`
     and `source`, kept from a committed run at other problem settings) get their own table."""
     m = metrics.get("compare", {})
     if not any(k.endswith("/f1_mean") for k in m):
@@ -281,3 +281,9 @@ def results_table(metrics: dict[str, dict[str, Any]]) -> str:
             lines += ["", "The paper's claims are not tested in this regime: the paired test "
                           "needs each seed's values, which its record does not keep."]
     return "\n".join(lines) + "\n"
+
+
+def headline(metrics: dict[str, float]) -> dict[str, float]:
+    """DVC metrics: how many claims are reproduced / inconclusive / contradicted; each claim and
+    every arm's numbers in details/compare.json."""
+    return stats.verdict_counts(metrics)

@@ -20,6 +20,7 @@ the first), `oracle` (pass@N: some solution is right).
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from typing import Any
 
@@ -79,6 +80,8 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
                                 f"train_prm first")
     if cfg.num_threads:
         set_threads(cfg.num_threads)
+    registered = folder / "registered.json"   # <arm>/seed<k> -> registered model name
+    registered = json.loads(registered.read_text()) if registered.is_file() else {}
     rows, metrics = [], {}
     for path in models:
         model, tokenizer = prm.load_prm(path)
@@ -91,6 +94,11 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
                                 cfg.aggregate, cfg.batch_size)
         arm, seed = path.parent.name, int(path.name.removeprefix("seed"))
         rows.append({"arm": arm, "seed": seed, "val_f1": val["f1"], **test})
+        if f"{arm}/seed{seed}" in registered and ctx.tracker is not None:
+            # the registered version carries its scores (tags `metric.<name>`)
+            ctx.tracker.annotate_model(path, {"test_f1": test["f1"],
+                                              "best_of_n": test["best_of_n"],
+                                              "val_f1": val["f1"]})
     df = pl.DataFrame(rows)
     refs = reference_selection(test_rows, get_family(cfg.family))
     with io.atomic_path(ctx.path(cfg.out), is_dir=True) as tmp:
@@ -105,3 +113,11 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     metrics["test_wrong_step_share"] = 1 - sum(t for r in test_rows for t in r["step_correct"]) \
         / metrics["test_steps"]
     return metrics
+
+
+def headline(metrics: dict[str, float]) -> dict[str, float]:
+    """DVC metrics: the full-data PRM's test step F1 and best-of-N accuracy, and majority vote's
+    best-of-N (the reference without a PRM); every subset in details/evaluate.json."""
+    return {new: metrics[old] for new, old in (("full_f1", "full/f1_mean"),
+                                               ("full_best_of_n", "full/best_of_n_mean"),
+                                               ("bon_majority", "bon_majority")) if old in metrics}

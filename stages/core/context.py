@@ -41,8 +41,33 @@ class Context:
 
     @property
     def metrics_path(self) -> Path:
-        """Where the stage's returned metrics land for DVC: `<metrics_dir>/<stage>.json`."""
+        """Where the stage's headline lands for DVC: `<metrics_dir>/<stage>.json` (the module's
+        `headline(metrics)`, or every number when it defines none)."""
         return self.metrics_dir / f"{self.stage}.json"
+
+    @property
+    def details_dir(self) -> Path:
+        """`<paths.details>` for the shared stages; `pipelines/<slug>/details` for a paper's
+        pipeline: every number a stage returned (timings aside), a DVC output (cached like the
+        stage's data: a `cache: false` one would turn off DVC's run-cache for the stage), so
+        `dvc metrics show` stays a short summary."""
+        if self.pipeline_dir != self.root:
+            return self.pipeline_dir / "details"
+        return self.paths.get("details") or self.metrics_dir.parent / "details"
+
+    @property
+    def details_path(self) -> Path:
+        return self.details_dir / f"{self.stage}.json"
+
+    def stage_metrics(self, stage: str) -> dict[str, float]:
+        """Every number another stage of this pipeline returned (its details file; NaN for an
+        undefined value). A stage reading it lists `details/<stage>.json` in its dvc.yaml deps."""
+        from .io import read_metrics
+
+        path = self.details_dir / f"{stage}.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: missing; run stage {stage!r} first")
+        return read_metrics(path)
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         if self.tracker is not None:

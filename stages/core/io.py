@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import shutil
@@ -76,6 +77,36 @@ def write_text(path: str | os.PathLike[str], text: str) -> Path:
 
 def write_json(path: str | os.PathLike[str], data: Any) -> Path:
     return write_text(path, json.dumps(data, indent=2, sort_keys=True, default=_json_default) + "\n")
+
+
+# Wall times and throughputs are measurements of the machine, not results: they go to MLflow
+# only, never into a file git tracks (each run would change it, and `dvc metrics diff` would
+# report noise). A key is a timing when one of its `/`-separated parts matches (`train_seconds`,
+# `seconds_per_item`, `items_per_s`, `train_s`, `ms_per_item`, `time_reduction`, ...);
+# `tokens_per_solved` is not one.
+TIMING_PART = re.compile(r"seconds|(^|_)(s|ms)$|(^|_)ms_|(^|_)per_s($|_)|(^|_)(time|wall)($|_)"
+                         r"|elapsed|latency|throughput", re.IGNORECASE)
+
+
+def is_timing_key(key: str) -> bool:
+    return any(TIMING_PART.search(part) for part in key.split("/"))
+
+
+def write_metrics(path: str | os.PathLike[str], metrics: dict[str, float]) -> Path:
+    """A flat {key: number} file for DVC (headline metrics, details): sorted keys, and an
+    undefined value (NaN, +-inf) written as `null`. Python's `NaN` token is not JSON, and
+    `dvc metrics diff` reports NaN -> NaN as a change (NaN != NaN); DVC skips a null, so an
+    undefined value shows as `-` and never as a change. `read_metrics` gives NaN back."""
+    clean = {k: (float(v) if math.isfinite(float(v)) else None) for k, v in metrics.items()}
+    return write_text(path, json.dumps(clean, indent=2, sort_keys=True, allow_nan=False) + "\n")
+
+
+def read_metrics(path: str | os.PathLike[str]) -> dict[str, float]:
+    """A file written by `write_metrics` (or an older one with NaN tokens): null -> NaN."""
+    data = json.loads(Path(path).read_text())
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object of metrics")
+    return {k: (math.nan if v is None else v) for k, v in data.items()}
 
 
 def _json_default(value: Any) -> Any:

@@ -219,16 +219,35 @@ def run_stage(pipeline: str, stage: str, *, check_only: bool = False,
     from .tracking import StageTracker
 
     # what a killed earlier run of any stage left behind, in every output folder, metrics included
-    io.clean_stale_tmp_in([*ctx.paths.values(), ctx.metrics_dir])
+    io.clean_stale_tmp_in([*ctx.paths.values(), ctx.metrics_dir, ctx.details_dir])
     started = time.time()
     with StageTracker(ctx, cfg) as tracker:
         ctx.tracker = tracker
-        metrics = module.run(cfg, ctx) or {}
-        metrics = {k: float(v) for k, v in metrics.items()}
-        io.write_json(ctx.metrics_path, metrics)
-        tracker.log_metrics({**metrics, "stage_seconds": time.time() - started})
-    log.info("%s/%s done in %.1fs: %s", pipeline, stage, time.time() - started, metrics)
-    return metrics
+        returned = {k: float(v) for k, v in (module.run(cfg, ctx) or {}).items()}
+        details, summary = split_metrics(module, returned)
+        io.write_metrics(ctx.details_path, details)
+        io.write_metrics(ctx.metrics_path, summary)
+        tracker.log_metrics({**returned, **summary, "stage_seconds": time.time() - started})
+    log.info("%s/%s done in %.1fs: %s", pipeline, stage, time.time() - started, summary)
+    return summary
+
+
+def split_metrics(module: ModuleType, returned: dict[str, float]
+                  ) -> tuple[dict[str, float], dict[str, float]]:
+    """(details, headline) of what a stage's `run()` returned, timings left out of both.
+
+    Wall times and throughputs (`io.is_timing_key`) go to MLflow only. The headline, what
+    `dvc metrics show` and `dvc metrics diff` print, is the module's `headline(details)` (a
+    handful of flat keys per stage), or every number when the module defines none; details
+    (every number) go to `details/<stage>.json`, which the README tables are rendered from."""
+    details = {k: v for k, v in returned.items() if not io.is_timing_key(k)}
+    pick = getattr(module, "headline", None)
+    summary = {k: float(v) for k, v in (pick(dict(details)) if pick else details).items()}
+    timed = sorted(k for k in summary if io.is_timing_key(k))
+    if timed:  # a headline that computes a timing of its own: still kept out of DVC
+        log.warning("%s.headline returned wall times %s: left out of the DVC metrics",
+                    module.__name__, timed)
+    return details, {k: v for k, v in summary.items() if k not in timed}
 
 
 def repo_root() -> Path:

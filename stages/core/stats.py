@@ -30,6 +30,18 @@ from typing import Any, Callable, Literal, Mapping, Sequence
 VERDICTS = {1: "reproduced", 0: "inconclusive", -1: "contradicted"}
 
 
+def verdict_counts(m: Mapping[str, Any]) -> dict[str, float]:
+    """How many claims in `m` (every `<prefix>/verdict` that `claim_metrics` wrote) are
+    reproduced, inconclusive and contradicted: a compare stage's DVC headline (each claim's
+    numbers stay in its details file and the README)."""
+    counts = {name: 0.0 for name in VERDICTS.values()}
+    for key, value in m.items():
+        if (key.endswith("/verdict") and isinstance(value, (int, float))
+                and math.isfinite(value) and int(value) in VERDICTS):
+            counts[VERDICTS[int(value)]] += 1
+    return counts
+
+
 def finite(values: Sequence[float]) -> list[float]:
     return [float(v) for v in values if v is not None and math.isfinite(v)]
 

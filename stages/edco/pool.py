@@ -133,3 +133,8 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
                                                   .mean())
             metrics[f"mean_difficulty_{split}"] = float(df["difficulty"].mean())
     return metrics
+
+
+def headline(metrics: dict[str, float]) -> dict[str, float]:
+    """DVC metrics: rows per split (`n_<split>`); their composition in details/pool.json."""
+    return {k: v for k, v in metrics.items() if k.startswith("n_")}

@@ -203,3 +203,9 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     trained = frame.filter(pl.col("round") > 0)
     metrics["frac_reward_zero_std"] = _mean(trained["frac_reward_zero_std"].to_list())
     return {k: v for k, v in metrics.items() if math.isfinite(v)}
+
+
+def headline(metrics: dict[str, float]) -> dict[str, float]:
+    """DVC metrics: the arm's final held-out accuracy (mean, std over seeds) and on rows with
+    `*`; the curriculum statistics in details/<arm>.json."""
+    return {k: metrics[k] for k in ("acc_mean", "acc_std", "acc_mul_mean") if k in metrics}

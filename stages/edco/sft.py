@@ -316,3 +316,9 @@ def finish(cfg: Any, ctx: Any, out: Path, method: str, frame: Any) -> dict[str, 
     metrics["initial_acc"] = float(frame.filter(pl.col("round") == 0.0)["acc"][0])
     metrics["seeds"] = float(len(cfg.seeds))
     return {k: v for k, v in metrics.items() if math.isfinite(v)}
+
+
+def headline(metrics: dict[str, float]) -> dict[str, float]:
+    """DVC metrics: the arm's final held-out accuracy (mean, std over seeds) and on rows with
+    `*`; the curriculum statistics in details/<arm>.json."""
+    return {k: metrics[k] for k in ("acc_mean", "acc_std", "acc_mul_mean") if k in metrics}

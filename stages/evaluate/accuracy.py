@@ -19,6 +19,7 @@ keys, so a paper's pipeline reuses this stage on its own policy.
 from __future__ import annotations
 
 import math
+import re
 import time
 from typing import Any, Callable
 
@@ -157,3 +158,9 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     if ctx.tracker is not None:
         ctx.tracker.annotate_model(ctx.path(cfg.model), metrics)
     return metrics
+
+
+def headline(metrics: dict[str, float]) -> dict[str, float]:
+    """DVC metrics: accuracy over the whole split (greedy, pass@k) and the format rate; the same
+    per difficulty (`*_d<n>`) stay in details/evaluate.json."""
+    return {k: v for k, v in metrics.items() if not re.search(r"_d\d+$", k)}

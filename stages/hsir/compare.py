@@ -42,7 +42,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from stages.core import io
+from stages.core import io, stats
 from stages.core.stats import (Claim, check_budgets, claim_by_key, claim_from_ci, claim_metrics,
                                mean_std, percentile_ci, read_claim, spearman)
 
@@ -506,3 +506,9 @@ def claims_table(m: dict[str, Any]) -> list[str]:
         c: Claim | None = read_claim(m, prefix)
         lines.append(f"| {text.format(a=a, b=b)} | {c.sentence(fmt) if c else 'n/a'} |")
     return lines
+
+
+def headline(metrics: dict[str, float]) -> dict[str, float]:
+    """DVC metrics: how many claims are reproduced / inconclusive / contradicted; each claim and
+    every arm's numbers in details/compare.json."""
+    return stats.verdict_counts(metrics)

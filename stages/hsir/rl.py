@@ -93,3 +93,13 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     per_seed = grpo.train_arm(cfg, ctx, rewards=rewards)
     return grpo.arm_metrics(per_seed, ("final_acc", "initial_acc", "final_len",
                                        "seconds_per_step"))
+
+
+def headline(metrics: dict[str, float]) -> dict[str, float]:
+    """DVC metrics: the arm's final accuracy (`acc_mean`, `acc_std` over seeds: the names the
+    self-training arms use, so `dvc metrics show` puts every arm in the same columns) and
+    length; the rest in details/<arm>.json."""
+    return {new: metrics[old] for new, old in (("acc_mean", "final_acc_mean"),
+                                               ("acc_std", "final_acc_std"),
+                                               ("final_len_mean", "final_len_mean"))
+            if old in metrics}

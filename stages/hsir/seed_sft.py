@@ -89,3 +89,9 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     model.eval()
     io.save_model(model, tokenizer, ctx.path(cfg.out))
     return {k: float(v) for k, v in metrics.items() if v == v}  # NaN (nothing solved) left out
+
+
+def headline(metrics: dict[str, float]) -> dict[str, float]:
+    """DVC metrics: the seed model's greedy and sampled accuracy; verbosity and the training
+    record in details/seed_sft.json."""
+    return {k: metrics[k] for k in ("greedy_acc", "sampled_acc") if k in metrics}

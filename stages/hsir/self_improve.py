@@ -384,3 +384,10 @@ def summarize_curve(frame: Any, rounds: int, train_queries: int) -> dict[str, fl
     metrics["seeds"] = float(frame["seed"].n_unique())
     return metrics
 
+
+
+def headline(metrics: dict[str, float]) -> dict[str, float]:
+    """DVC metrics: the arm's final accuracy (mean, std over seeds), on the hard prompts, and
+    tokens per solved prompt; the pool statistics and the rest in details/<arm>.json."""
+    return {k: metrics[k] for k in ("acc_mean", "acc_std", "hard_acc_mean",
+                                    "tokens_per_solved_mean") if k in metrics}

@@ -156,3 +156,9 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
         "mixed_rollout_share": sum(0 < p < len(ss) for p, ss in zip(n_pos, scores)) / len(scores),
         **label_noise(flat_mc, flat_true),
     }
+
+
+def headline(metrics: dict[str, float]) -> dict[str, float]:
+    """DVC metrics: agreement of the MC labels with the exact verifier and the share of steps
+    labelled negative; the rest in details/mc_annotate.json."""
+    return {k: metrics[k] for k in ("label_agreement", "negative_step_share") if k in metrics}

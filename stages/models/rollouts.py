@@ -145,3 +145,9 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
                 f"{split}_dropped_no_steps": float(dropped),
             }
     return metrics
+
+
+def headline(metrics: dict[str, float]) -> dict[str, float]:
+    """DVC metrics: the policy's answer and step accuracy on the test rollouts; counts and the
+    train split in details/rollouts.json."""
+    return {k: metrics[k] for k in ("test_answer_acc", "test_step_acc") if k in metrics}

@@ -80,3 +80,9 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     with io.atomic_path(ctx.path("tokenizer"), is_dir=True) as tmp:
         tokenizer.save_pretrained(str(tmp))
     return {"vocab_size": float(len(tokenizer)), "data_chars": float(data_chars)}
+
+
+def headline(metrics: dict[str, float]) -> dict[str, float]:
+    """DVC metrics: the vocabulary size; the characters seen in the data in
+    details/tokenizer.json."""
+    return {k: metrics[k] for k in ("vocab_size",) if k in metrics}

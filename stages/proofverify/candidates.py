@@ -195,3 +195,9 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
                 metrics["test_oracle_answer"] = float(per["any_right"].mean())
     print(f"candidates: {metrics}")
     return metrics
+
+
+def headline(metrics: dict[str, float]) -> dict[str, float]:
+    """DVC metrics: the share of valid test candidates and the ceiling (a valid candidate in the
+    pool); flaw shares and the train split in details/candidates.json."""
+    return {k: metrics[k] for k in ("test_valid_share", "test_oracle_proof") if k in metrics}

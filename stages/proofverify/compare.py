@@ -21,12 +21,12 @@ spread cancels), each reported with its verdict and minimum detectable effect. T
 get the paired difference and CI without a verdict (`diff/hybrid_<rule>_*`).
 
 Outputs: `report/table.md`, `plots/selection.csv` (accuracy vs calls per arm, `dvc plots`) and
-the flat metrics (`metrics/compare.json`) the README table is rendered from.
+the flat metrics (`details/compare.json`; the verdict counts in `metrics/compare.json`) the README
+table is rendered from.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import random
 from typing import Any
@@ -89,18 +89,52 @@ def baseline_selections(cands: pl.DataFrame, seeds: list[int]) -> pl.DataFrame:
     return pl.DataFrame(rows)
 
 
-def arm_metrics(sel: pl.DataFrame, cands: pl.DataFrame) -> dict[str, float]:
-    """`<arm>/<metric>_mean|_std` over seeds for every method in `sel`."""
+SCORES = ("proof_acc", "answer_acc", "calls", "parse_fail_rate")  # per (rule, seed)
+
+
+def per_seed(sel: pl.DataFrame, cands: pl.DataFrame) -> pl.DataFrame:
+    """One row per (method, seed): the `SCORES` of that rule's selections on that seed."""
     lab = cands.select(pl.col("candidate_id").alias("selected_id"), "valid", "answer_correct")
     joined = sel.join(lab, on="selected_id", how="left")
     if joined["valid"].null_count():
         raise ValueError("a selection names a candidate that is not in candidates/test.parquet")
-    per = (joined.group_by(["method", "seed"])
-           .agg(pl.col("valid").mean().alias("proof_acc"),
-                pl.col("answer_correct").mean().alias("answer_acc"),
-                pl.col("calls").cast(pl.Float64).mean().alias("calls"),
-                (pl.col("parse_failures").sum() / pl.col("calls").sum().clip(1))
-                .alias("parse_fail_rate")))
+    return (joined.group_by(["method", "seed"])
+            .agg(pl.col("valid").mean().alias("proof_acc"),
+                 pl.col("answer_correct").mean().alias("answer_acc"),
+                 pl.col("calls").cast(pl.Float64).mean().alias("calls"),
+                 (pl.col("parse_failures").sum() / pl.col("calls").sum().clip(1))
+                 .alias("parse_fail_rate"))
+            .sort(["method", "seed"]))
+
+
+# A rule's settings as MLflow params of its runs: the fields of its stage config that shape the
+# selection, and its verifier (the baselines have none).
+RULE_PARAMS = ("n_j", "winner_count", "survivor_score", "temperature", "max_new_tokens",
+               "prompt_style")
+
+
+def log_method_runs(ctx: Any, per: pl.DataFrame) -> None:
+    """One MLflow run per (rule, seed) under this stage's run: params `method`, `seed` and the
+    rule's settings (its params section, profile applied), metrics `SCORES`, the same for every
+    rule, so MLflow's Compare shows the rules side by side."""
+    from stages.core.config import validate_section
+    from stages.proofverify.select import Config as RuleConfig
+
+    settings: dict[str, dict[str, Any]] = {}
+    for rule in SELECTORS:   # each selector's params section (validated before any compute)
+        if rule in ctx.params:
+            rc = validate_section(RuleConfig, ctx.params, rule, ctx.profile, "params")
+            settings[rule] = {**{k: getattr(rc, k) for k in RULE_PARAMS},
+                              "verifier": rc.backend.model}
+    for method, seed, *values in per.select("method", "seed", *SCORES).iter_rows():
+        params = {"method": method, "seed": seed, **settings.get(method, {})}
+        with ctx.method_run("compare", method, seed, params=params) as run:
+            run.log_metrics(dict(zip(SCORES, map(float, values))))
+
+
+def arm_metrics(sel: pl.DataFrame, cands: pl.DataFrame) -> dict[str, float]:
+    """`<arm>/<metric>_mean|_std` over seeds for every method in `sel`."""
+    per = per_seed(sel, cands)
     m: dict[str, float] = {}
     for method in per["method"].unique().sort().to_list():
         p = per.filter(pl.col("method") == method)
@@ -251,6 +285,7 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     sel = pl.concat([s.select(cols) for s in sels]
                     + [base.select(cols).cast({"calls": pl.Int64, "parse_failures": pl.Int64})])
     m = arm_metrics(sel, cands)
+    log_method_runs(ctx, per_seed(sel, cands))
     votes = read_parquet_checked(ctx.path(cfg.judge) / "votes.parquet", votes_spec())
     m |= judge_metrics(votes, cands, cfg.per_side)
     for arm in ("genselect", "hybrid", "hybrid_lenient"):
@@ -269,9 +304,8 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     m |= hybrid_claims(sel, cands, cfg)
     m |= paired_vs_hybrid(sel, cands, cfg.bootstrap)
     tables: dict[str, dict[str, Any]] = {"compare": m}
-    oracle_json = ctx.metrics_dir / "oracle.json"     # stage `oracle`, when it has run
-    if oracle_json.is_file():
-        tables["oracle"] = json.loads(oracle_json.read_text())
+    if (ctx.details_dir / "oracle.json").is_file():   # stage `oracle`, when it has run
+        tables["oracle"] = ctx.stage_metrics("oracle")
     with io.atomic_path(ctx.path(cfg.report), is_dir=True) as tmp:
         io.write_text(tmp / "table.md", results_table(tables))
     plot = ctx.pipeline_dir / cfg.plot
@@ -389,3 +423,9 @@ def oracle_table(o: dict[str, Any]) -> list[str]:
               for b in budgets if b < top),
             f"- Hybrid ≥ pure GenSelect at B = {top}: "
             f"{claim(f'claim/hybrid_vs_genselect/B{top}/proof_acc')}"]
+
+
+def headline(metrics: dict[str, float]) -> dict[str, float]:
+    """DVC metrics: how many claims are reproduced / inconclusive / contradicted; each claim and
+    every arm's numbers in details/compare.json."""
+    return stats.verdict_counts(metrics)

@@ -92,6 +92,21 @@ class Config(BaseModel):
         return v
 
 
+def log_method_runs(ctx: Any, per_seed: pl.DataFrame, cfg: Config) -> None:
+    """One MLflow run per (rule, budget, seed), named `<rule>@B<budget>` (as racer's routers are
+    `<method>@C<budget>`): params `method`, `budget`, `seed`, `n_p` and the simulated verifier's
+    error rates; metrics `proof_acc`, `answer_acc`, `calls` for every rule, so MLflow's Compare
+    puts the rules side by side at each budget."""
+    shared = {"n_p": cfg.n_p, "survivor_ratio": cfg.survivor_ratio,
+              **cfg.oracle.model_dump()}
+    rows = per_seed.sort(["arm", "budget", "seed"]).iter_rows(named=True)
+    for r in rows:
+        params = {"method": r["arm"], "budget": r["budget"], "seed": r["seed"], **shared}
+        with ctx.method_run("oracle", f"{r['arm']}@B{r['budget']}", r["seed"],
+                            params=params) as run:
+            run.log_metrics({k: float(r[k]) for k in ("proof_acc", "answer_acc", "calls")})
+
+
 # --- how each rule spends a budget of B calls ------------------------------------------------
 
 def judge_plan(budget: int, n_p: int) -> tuple[int, int]:
@@ -250,6 +265,7 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
                               "calls": m[f"{arm}/B{budget}/calls_mean"],
                               "proof_acc": m[f"{arm}/B{budget}/proof_acc_mean"],
                               "answer_acc": m[f"{arm}/B{budget}/answer_acc_mean"]})
+    log_method_runs(ctx, per_seed, cfg)
     m["hybrid_matches_judge_at"] = matches_judge_at(m, cfg.budgets)
     m |= claims(df, cfg.budgets, cfg.bootstrap)
     plot = ctx.pipeline_dir / cfg.plot
@@ -262,3 +278,9 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
           f"{m[f'hybrid/B{top}/proof_acc_mean']:.3f}, majority "
           f"{m[f'majority/B{top}/proof_acc_mean']:.3f}")
     return m
+
+
+def headline(metrics: dict[str, float]) -> dict[str, float]:
+    """DVC metrics: how many of the predicted orderings are reproduced / inconclusive /
+    contradicted; every arm and budget in details/oracle.json."""
+    return stats.verdict_counts(metrics)

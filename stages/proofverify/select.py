@@ -31,6 +31,7 @@ each seed redraws the verdict samples, the tournament shuffles and the tie-break
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from typing import Any, Callable, Literal, Sequence
@@ -272,7 +273,22 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
             io.write_parquet(tmp / "votes.parquet", pl.concat(all_votes))
         if all_games:
             io.write_parquet(tmp / "games.parquet", pl.DataFrame(all_games, schema=GAMES))
-    return summary(sel, cands, seconds / (len(cfg.seeds) * len(problems)))
+    ctx.log_metrics({"seconds_per_problem": seconds / (len(cfg.seeds) * len(problems))})
+    m = summary(sel, cands)
+    annotate_verifier(ctx, cfg.backend, m)
+    return m
+
+
+def annotate_verifier(ctx: Any, backend: BackendConfig, m: dict[str, float]) -> None:
+    """Tag the registered version of the local verifier this rule called (train_judge's
+    `verifier.json` names it) with the rule's scores, `metric.<stage>/proof_acc` etc.: the judge
+    carries pure Judge's, the selector GenSelect's and Hybrid's."""
+    if ctx.tracker is None or backend.kind != "local" or backend.model not in ctx.paths:
+        return
+    folder = ctx.path(backend.model)
+    info = folder / "verifier.json"
+    if info.is_file() and json.loads(info.read_text()).get("registered_as"):
+        ctx.tracker.annotate_model(folder, {f"{ctx.stage}/{k}": v for k, v in m.items()})
 
 
 def _votes_spec() -> Any:
@@ -294,8 +310,9 @@ def _row(method: str, seed: int, g: pl.DataFrame, selected: str, *, games: int,
             "survivors": survivors}
 
 
-def summary(sel: pl.DataFrame, cands: pl.DataFrame, seconds_per_problem: float) -> dict[str, float]:
-    """Stage metrics: accuracies and calls, mean over seeds (the compare stage adds the std)."""
+def summary(sel: pl.DataFrame, cands: pl.DataFrame) -> dict[str, float]:
+    """Stage metrics: accuracies and calls, mean over seeds (the compare stage adds the std);
+    the wall time per problem goes to MLflow only."""
     joined = sel.join(cands.select(pl.col("candidate_id").alias("selected_id"), "valid",
                                    "answer_correct"), on="selected_id", how="left")
     per_seed = joined.group_by("seed").agg(pl.col("valid").mean(),
@@ -304,5 +321,12 @@ def summary(sel: pl.DataFrame, cands: pl.DataFrame, seconds_per_problem: float) 
     return {"proof_acc": float(per_seed["valid"].mean()),
             "answer_acc": float(per_seed["answer_correct"].mean()),
             "calls_per_problem": calls,
-            "parse_fail_rate": float(sel["parse_failures"].sum() / max(1, sel["calls"].sum())),
-            "seconds_per_problem": seconds_per_problem}
+            "parse_fail_rate": float(sel["parse_failures"].sum() / max(1, sel["calls"].sum()))}
+
+
+def headline(metrics: dict[str, float]) -> dict[str, float]:
+    """DVC metrics: the rule's proof-level and final-answer accuracy and verifier calls per
+    problem (the same names for every rule: one row each in `dvc metrics show`); the parse
+    failure rate in details/<rule>.json."""
+    return {k: metrics[k] for k in ("proof_acc", "answer_acc", "calls_per_problem")
+            if k in metrics}

@@ -206,11 +206,18 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
         print(f"train_judge/{role}: {len(prompts)} rows, val acc {acc:.3f}")
         io.save_model(model, tokenizer, out)
         io.write_json(out / "verifier.json", {"role": role, "prompt_style": cfg.prompt_style,
-                                              "rows": len(prompts)})
+                                              "rows": len(prompts), "registered_as": name})
         if ctx.tracker is not None:
             ctx.tracker.register_model(out, name, ["candidate", "champion"],
                                        tags={"paperline.method": role,
-                                             "val_acc": f"{acc:.4f}",
                                              "prompt_style": cfg.prompt_style})
+            # its scores as `metric.*` tags; the selection stages add their test scores
+            ctx.tracker.annotate_model(out, {"val_acc": acc, "val_parse_fail": fail})
     ctx.log_params({"val_problems": n_val})
     return metrics
+
+
+def headline(metrics: dict[str, float]) -> dict[str, float]:
+    """DVC metrics: the judge's and the selector's validation accuracy; the training record in
+    details/train_judge.json."""
+    return {k: metrics[k] for k in ("judge_val_acc", "selector_val_acc") if k in metrics}

@@ -42,7 +42,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from stages.core import io
+from stages.core import io, stats
 from stages.core.stats import (Claim, check_budgets, claim_by_key, claim_metrics, mean_std,
                                read_claim)
 
@@ -390,3 +390,9 @@ def claims_table(m: dict[str, Any]) -> list[str]:
         env = parts[2] if len(parts) > 3 else ""
         lines.append(f"| {text.format(a=a, b=b, env=env)} | {c.sentence(fmt) if c else 'n/a'} |")
     return lines
+
+
+def headline(metrics: dict[str, float]) -> dict[str, float]:
+    """DVC metrics: how many claims are reproduced / inconclusive / contradicted; each claim and
+    every arm's numbers in details/compare.json."""
+    return stats.verdict_counts(metrics)

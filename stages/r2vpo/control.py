@@ -324,3 +324,11 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     metrics = summarize(rows, cfg)
     metrics["seconds"] = time.time() - started
     return metrics
+
+
+def headline(metrics: dict[str, float]) -> dict[str, float]:
+    """DVC metrics: each arm's final return per env (`<arm>/<env>`: mean of the last 10
+    evaluations, mean over seeds); spreads, success rates, steps to 80% in
+    details/control.json."""
+    return {f"{k.split('/')[1]}/{k.split('/')[0]}": v for k, v in metrics.items()
+            if k.count("/") == 2 and k.endswith("/return_last10_mean")}

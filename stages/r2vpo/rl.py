@@ -54,3 +54,10 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
         m.setdefault("lambda_final", cfg.r2vpo.lambda_init)
     return grpo.arm_metrics(per_seed, ("final_acc", "initial_acc", "final_len",
                                        "seconds_per_step", "lambda_final"))
+
+
+def headline(metrics: dict[str, float]) -> dict[str, float]:
+    """DVC metrics: the arm's final held-out accuracy (`acc_mean`, `acc_std` over seeds:
+    `final_acc_*` in details/<arm>.json, with the start, length, lambda and rollouts)."""
+    return {new: metrics[old] for new, old in (("acc_mean", "final_acc_mean"),
+                                               ("acc_std", "final_acc_std")) if old in metrics}

@@ -182,6 +182,7 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
                                  "acc": acc, "cost": cost})
     frame = pl.DataFrame(rows)
     log_method_runs(ctx, rows, hparams)
+    annotate_registered(ctx, rdir, rows)
     m = summarize(frame, cfg)
     _, r_claim, _, _ = data[cfg.claim_split]
     m |= judge_claim(r_claim, cfg.paper_reasoning_gain)
@@ -214,6 +215,22 @@ def log_method_runs(ctx: Any, rows: list[dict[str, Any]],
                   **hparams.get((method, budget), {})}
         with ctx.method_run("evaluate", name, seed, params=params) as run:
             run.log_metrics(metrics)
+
+
+def annotate_registered(ctx: Any, rdir: Path, rows: list[dict[str, Any]]) -> None:
+    """Tag each registered router version (train_router's `registered.json`: `<arm>/C<b>/
+    seed<k>`) with its test scores, `metric.<split>/acc` and `metric.<split>/cost`, so the
+    registry shows them beside the model."""
+    path = rdir / "registered.json"
+    if ctx.tracker is None or not path.is_file():
+        return
+    for key in json.loads(path.read_text()):
+        arm, budget, seed = key.split("/")
+        got = {f"{r['split']}/{col}": r[col] for r in rows for col in ("acc", "cost")
+               if r["method"] == arm and f"C{r['budget']:g}" == budget
+               and f"seed{r['seed']}" == seed}
+        if got:
+            ctx.tracker.annotate_model(rdir / key, got)
 
 
 def paired_values(frame: Any, method: str, baseline: str, split: str, col: str
@@ -385,3 +402,9 @@ def results_table(metrics: dict[str, dict[str, Any]]) -> str:
                   f"fitted linear rate of |lambda_t - lambda*| <= {s['max_rate']:.4f} per "
                   f"iteration (log-linear fit R^2 >= {s['min_rate_r2']:.3f}).", ""]
     return "\n".join(lines)
+
+
+def headline(metrics: dict[str, float]) -> dict[str, float]:
+    """DVC metrics: how many claims are reproduced / inconclusive / contradicted; each claim,
+    method, budget and split stays in details/evaluate.json (and one MLflow run per method)."""
+    return stats.verdict_counts(metrics)

@@ -245,3 +245,10 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
                             if isinstance(v, (int, float))})
             io.save_model(model, tokenizer, tmp / name)
     return metrics
+
+
+def headline(metrics: dict[str, float]) -> dict[str, float]:
+    """DVC metrics: each judge's final training loss (`<judge>_loss`); item counts and the
+    training record stay in details/judges.json."""
+    return {f"{j}_loss": metrics[f"{j}/train_loss"] for j in ("direct", "reasoning")
+            if f"{j}/train_loss" in metrics}

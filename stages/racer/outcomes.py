@@ -133,3 +133,10 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
             metrics[f"{judge}/acc_d{d}"] = float(a)
             metrics[f"{judge}/cost_ratio_d{d}"] = float(t) / unit
     return metrics
+
+
+def headline(metrics: dict[str, float]) -> dict[str, float]:
+    """DVC metrics: each judge's accuracy on the shifted test split (`<judge>_acc_hard`); every
+    split, difficulty and token count stays in details/judge_outcomes.json."""
+    return {f"{j}_acc_hard": metrics[f"test_hard/{j}/acc"] for j in ("direct", "reasoning")
+            if f"test_hard/{j}/acc" in metrics}

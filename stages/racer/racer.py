@@ -594,21 +594,32 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
                     metrics[f"{key}/val_acc"] = got["best"]["val_acc"]
                     metrics[f"{key}/val_cost"] = got["best"]["val_cost"]
                     metrics[f"{key}/lambda"] = got["lams"][-1]
-                    metrics[f"{key}/seconds"] = time.perf_counter() - t0
+                    ctx.log_metrics({f"{key}/seconds": time.perf_counter() - t0})
                     curves += [{"arm": arm.name, "budget": budget, "seed": seed, "iter": i,
                                 "lam": float(v)} for i, v in enumerate(got["lams"])]
         import polars as pl
 
         io.write_parquet(tmp / "lambda.parquet", pl.DataFrame(curves))
-    metrics["train_seconds"] = time.perf_counter() - started
-    if cfg.register_as and ctx.tracker is not None:
-        for arm in cfg.arms:
-            seed = cfg.seeds[0]
-            folder = out / arm.name / f"C{reg_budget:g}" / f"seed{seed}"
-            ctx.tracker.register_model(folder, cfg.register_as, aliases=[arm.name.replace("_", "-")],
-                                       tags={"paperline.method": arm.name,
+        # which routers go to the registry: `evaluate` tags those versions with its test
+        # scores (`StageTracker.annotate_model`)
+        registered = [arm.name for arm in cfg.arms] if cfg.register_as else []
+        io.write_json(tmp / "registered.json", {
+            f"{name}/C{reg_budget:g}/seed{cfg.seeds[0]}": cfg.register_as for name in registered})
+    ctx.log_metrics({"train_seconds": time.perf_counter() - started})
+    if ctx.tracker is not None:
+        seed = cfg.seeds[0]
+        for name in registered:
+            folder = out / name / f"C{reg_budget:g}" / f"seed{seed}"
+            ctx.tracker.register_model(folder, cfg.register_as, aliases=[name.replace("_", "-")],
+                                       tags={"paperline.method": name,
                                              "paperline.budget": f"{reg_budget:g}",
                                              "paperline.seed": str(seed)},
-                                       artifact_path=f"router-{arm.name}")
+                                       artifact_path=f"router-{name}")
     del torch
     return metrics
+
+
+def headline(metrics: dict[str, float]) -> dict[str, float]:
+    """DVC metrics: the data the routers trained on; every router's validation accuracy, cost
+    and lambda per (arm, budget, seed) stay in details/train_router.json."""
+    return {k: metrics[k] for k in ("train_items", "val_items") if k in metrics}

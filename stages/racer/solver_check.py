@@ -143,3 +143,9 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     if ball:
         metrics["max_ball_abs_dp"] = max(ball)
     return metrics
+
+
+def headline(metrics: dict[str, float]) -> dict[str, float]:
+    """DVC metrics: the worst disagreement with the direct solution and the worst fitted rate;
+    every instance stays in details/solver_check.json."""
+    return {k: metrics[k] for k in ("max_abs_dp", "max_rate") if k in metrics}

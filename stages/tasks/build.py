@@ -111,3 +111,9 @@ def _rel(path: Path, root: Path) -> str:
         return str(path.relative_to(root))
     except ValueError:
         return str(path)
+
+
+def headline(metrics: dict[str, float]) -> dict[str, float]:
+    """DVC metrics: rows per family and split (`<family>_<split>_rows`); the counts per
+    difficulty stay in details/tasks.json."""
+    return {k: v for k, v in metrics.items() if k.endswith("_rows")}

@@ -67,3 +67,8 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
             metrics[f"n_{split}"] = float(len(df))
             metrics[f"mean_difficulty_{split}"] = float(df["difficulty"].mean())
     return metrics
+
+
+def headline(metrics: dict[str, float]) -> dict[str, float]:
+    """DVC metrics: prompts per split; their mean difficulty stays in details/<stage>.json."""
+    return {k: metrics[k] for k in ("n_train", "n_test") if k in metrics}

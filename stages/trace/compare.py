@@ -26,7 +26,6 @@ bootstrap draws; pairs = the number of conditions.
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any
 
@@ -72,14 +71,10 @@ RL_CLAIM = ("trace_reward_beats_acc", "the accuracy + TRACE reward ends more acc
 
 
 def gather(ctx: Any, rl_arms: list[str]) -> dict[str, dict[str, Any]]:
-    """{stage: metrics} of the stages this table needs, from `<metrics_dir>/<stage>.json`."""
-    out = {}
-    for stage in ("corpus", "label", "score", "correlate", *rl_arms):
-        path = ctx.metrics_dir / f"{stage}.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}: missing; run stage {stage!r} first")
-        out[stage] = json.loads(path.read_text())
-    return out
+    """{stage: metrics} of the stages this table needs: every number each returned
+    (`details/<stage>.json`, listed in this stage's dvc.yaml deps)."""
+    return {stage: ctx.stage_metrics(stage)
+            for stage in ("corpus", "label", "score", "correlate", *rl_arms)}
 
 
 def final_acc_by_seed(ctx: Any, runs: str, arm: str) -> dict[int, float]:
@@ -221,3 +216,9 @@ def results_table(metrics: dict[str, dict[str, Any]]) -> str:
                       "draws); RL: t interval over seeds:", ""]
         lines += [f"- {text}: {c.sentence()}" for text, c in claimed if c is not None]
     return "\n".join(lines) + "\n"
+
+
+def headline(metrics: dict[str, float]) -> dict[str, float]:
+    """DVC metrics: how many claims are reproduced / inconclusive / contradicted; each claim in
+    details/compare.json."""
+    return stats.verdict_counts(metrics)

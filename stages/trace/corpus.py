@@ -94,3 +94,8 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     metrics["max_total_chars"] = float((sft["prompt"].str.len_chars()
                                         + sft["target"].str.len_chars()).max())
     return metrics
+
+
+def headline(metrics: dict[str, float]) -> dict[str, float]:
+    """DVC metrics: problems per split; the corpus composition stays in details/corpus.json."""
+    return {k: metrics[k] for k in ("n_train", "n_test") if k in metrics}

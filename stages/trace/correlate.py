@@ -153,3 +153,10 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
           f"{m['pearson/trace']:.3f} (PPL {m['pearson/neg_ppl']:.3f}, "
           f"length {m['pearson/length']:.3f})")
     return m
+
+
+def headline(metrics: dict[str, float]) -> dict[str, float]:
+    """DVC metrics: Pearson r of each score with accuracy across conditions (`r_<score>`);
+    CIs, rank and per-sample correlations, best-of-N in details/correlate.json."""
+    return {f"r_{s}": metrics[f"pearson/{s}"] for s in ("trace", "neg_ppl", "length")
+            if f"pearson/{s}" in metrics}

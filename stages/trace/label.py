@@ -118,3 +118,8 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     print(f"label: tagger macro-F1 {m['macro_f1']:.3f} (P {m['macro_precision']:.3f}, "
           f"R {m['macro_recall']:.3f}) on {test.height} held-out sentences")
     return m
+
+
+def headline(metrics: dict[str, float]) -> dict[str, float]:
+    """DVC metrics: the tagger's held-out macro-F1; per label in details/label.json."""
+    return {k: metrics[k] for k in ("macro_f1",) if k in metrics}

@@ -118,3 +118,9 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     metrics["conditions"] = float(len(conditions))
     metrics["threads"] = float(threads)
     return metrics
+
+
+def headline(metrics: dict[str, float]) -> dict[str, float]:
+    """DVC metrics: the number of generator conditions; per-condition training in
+    details/policy.json."""
+    return {k: metrics[k] for k in ("conditions",) if k in metrics}

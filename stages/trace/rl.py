@@ -169,3 +169,12 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     metrics["seeds"] = float(len(cfg.seeds))
     metrics["trace_weight"] = cfg.trace_weight
     return metrics
+
+
+def headline(metrics: dict[str, float]) -> dict[str, float]:
+    """DVC metrics: the arm's final accuracy (`acc_mean`, `acc_std` over seeds) and TRACE
+    (`trace_mean`): `final_*` in details/<arm>.json, with the rest."""
+    return {new: metrics[old] for new, old in (("acc_mean", "final_acc_mean"),
+                                               ("acc_std", "final_acc_std"),
+                                               ("trace_mean", "final_trace_mean"))
+            if old in metrics}

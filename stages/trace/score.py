@@ -155,3 +155,9 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     if any(math.isnan(v) for v in metrics.values()):
         raise ValueError(f"score: NaN in metrics {metrics}")
     return metrics
+
+
+def headline(metrics: dict[str, float]) -> dict[str, float]:
+    """DVC metrics: accuracy and TRACE over all sampled CoTs; per condition in
+    details/score.json."""
+    return {k: metrics[k] for k in ("mean_acc", "mean_trace") if k in metrics}

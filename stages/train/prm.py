@@ -382,12 +382,24 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
                     metrics[f"{arm}/seed{seed}/{key}"] = got["metrics"][key]
         io.write_parquet(tmp / "curves.parquet", pl.DataFrame(curves))
         io.write_json(tmp / "budget.json", settings)
-    if cfg.register_as and ctx.tracker is not None:
-        for arm in cfg.register_arms:
-            seed = subsets.filter(pl.col("arm") == arm)["seed"].min()
+        # which models go to the registry: the evaluation stage tags those versions with its
+        # test scores (`StageTracker.annotate_model`)
+        registered = {arm: int(subsets.filter(pl.col("arm") == arm)["seed"].min())
+                      for arm in cfg.register_arms} if cfg.register_as else {}
+        io.write_json(tmp / "registered.json", {f"{arm}/seed{seed}": cfg.register_as
+                                                for arm, seed in registered.items()})
+    if ctx.tracker is not None:
+        for arm, seed in registered.items():
             ctx.tracker.register_model(out / arm / f"seed{seed}", cfg.register_as,
                                        aliases=[arm.replace("_", "-")],
                                        tags={"paperline.method": arm, "paperline.subset": arm,
                                              "paperline.seed": str(seed)},
                                        artifact_path=f"model-{arm}")
     return metrics
+
+
+def headline(metrics: dict[str, float]) -> dict[str, float]:
+    """DVC metrics: the mean final validation F1 over every PRM trained (`val_f1_mean`); each
+    (arm, seed) in details/train_prm.json."""
+    f1 = [v for k, v in metrics.items() if k.endswith("/val_f1") and math.isfinite(v)]
+    return {"val_f1_mean": sum(f1) / len(f1)} if f1 else {}

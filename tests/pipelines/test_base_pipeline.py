@@ -98,7 +98,7 @@ def test_compare_and_report(smoke_repo: Path):
     assert paperline(smoke_repo, "report", "base").returncode == 0
     text = readme.read_text()
     assert "stale" not in text
-    acc = json.loads((smoke_repo / "metrics/evaluate.json").read_text())["greedy_acc_d2"]
+    acc = json.loads((smoke_repo / "details/evaluate.json").read_text())["greedy_acc_d2"]
     assert f"| 2 | {100 * acc:.1f}%" in text  # rendered from the metrics file, not typed
 
 

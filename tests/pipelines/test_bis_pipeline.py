@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from stages.core import stats
+from stages.core import io, stats
 from tests.conftest import dvc, paperline
 from tests.pipelines.test_base_pipeline import mlflow_client
 
@@ -29,7 +29,7 @@ def bis_repo(smoke_repo: Path) -> Path:
 
 def test_rollouts_carry_exact_and_monte_carlo_step_labels(bis_repo: Path):
     train = pl.read_parquet(bis_repo / P / "data/mc_labels/train.parquet")
-    made = json.loads((bis_repo / P / "metrics/rollouts.json").read_text())
+    made = json.loads((bis_repo / P / "details/rollouts.json").read_text())
     assert train.height + made["train_dropped_no_steps"] == 24 * 2  # 24 problems x 2 rollouts
     assert train.height > 0
     for r in train.iter_rows(named=True):
@@ -38,7 +38,7 @@ def test_rollouts_carry_exact_and_monte_carlo_step_labels(bis_repo: Path):
         assert all(s * 4 == round(s * 4) for s in r["mc_scores"])        # K = 4: s in {0,.25,..}
         assert r["mc_labels"] == [s > 0 for s in r["mc_scores"]]
         assert r["source"] == f"d{r['difficulty']}"
-    m = json.loads((bis_repo / P / "metrics/mc_annotate.json").read_text())
+    m = json.loads((bis_repo / P / "details/mc_annotate.json").read_text())
     assert 0.0 <= m["label_agreement"] <= 1.0 and m["continuations"] > 0
 
 
@@ -75,7 +75,7 @@ def test_every_arm_trains_a_prm_per_seed_at_the_budget_rule(bis_repo: Path):
 
 
 def test_compare_metrics_readme_and_registry(bis_repo: Path):
-    m = json.loads((bis_repo / P / "metrics/compare.json").read_text())
+    m = io.read_metrics(bis_repo / P / "details/compare.json")   # every number (NaN: null)
     for arm in ARMS:
         assert 0.0 <= m[f"{arm}/f1_mean"] <= 1.0 and m[f"{arm}/f1_std"] >= 0.0
         assert 0.0 <= m[f"{arm}/best_of_n_mean"] <= 1.0
@@ -101,6 +101,12 @@ def test_compare_metrics_readme_and_registry(bis_repo: Path):
     assert set(rm.aliases) == {"bis-25", "full"}
     v = client.get_model_version_by_alias("bis-prm", "bis-25")
     assert v.tags["paperline.subset"] == "bis_25"
+    # the version carries its test scores (tagged by the evaluate stage)
+    seed = int(v.tags["paperline.seed"])
+    scores = pl.read_parquet(bis_repo / P / "data/prm_eval/evaluation.parquet").filter(
+        (pl.col("arm") == "bis_25") & (pl.col("seed") == seed))
+    assert float(v.tags["metric.test_f1"]) == pytest.approx(scores["f1"][0], abs=1e-5)
+    assert {"metric.best_of_n", "metric.val_f1"} <= set(v.tags)
 
 
 def test_second_repro_of_the_pipeline_does_nothing(bis_repo: Path):

@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from stages.core import io
 from tests.conftest import dvc, paperline
 from tests.pipelines.test_base_pipeline import mlflow_client
 
@@ -37,7 +38,7 @@ def _changed(a: dict, b: dict) -> bool:
 
 def test_seed_model_is_the_base_model_fine_tuned(hsir_repo: Path):
     assert _changed(_weights(hsir_repo / "models/base"), _weights(hsir_repo / P / "models/seed"))
-    m = json.loads((hsir_repo / P / "metrics/seed_sft.json").read_text())
+    m = io.read_metrics(hsir_repo / P / "details/seed_sft.json")
     assert m["seed_verbose_share"] == 0.5 and 0.0 <= m["greedy_verbose_share"] <= 1.0
     for split in ("prompts", "hard_prompts"):
         assert (hsir_repo / P / "data" / split / "test.parquet").is_file()
@@ -71,7 +72,7 @@ def test_every_arm_writes_models_pools_curve_and_budget(hsir_repo: Path):
 
 
 def test_compare_metrics_and_readme_block(hsir_repo: Path):
-    m = json.loads((hsir_repo / P / "metrics/compare.json").read_text())
+    m = io.read_metrics(hsir_repo / P / "details/compare.json")
     for arm in SELF_ARMS:
         assert 0.0 <= m[f"self/{arm}/acc_mean"] <= 1.0 and m[f"self/{arm}/seeds"] == 2.0
         assert 0.0 <= m[f"self/{arm}/hard_acc_mean"] <= 1.0

@@ -14,7 +14,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from stages.core import stats
+from stages.core import io, stats
 from tests.conftest import dvc, paperline
 from tests.pipelines.test_base_pipeline import mlflow_client
 
@@ -63,7 +63,7 @@ def test_calls_are_counted_per_arm_as_the_paper_states(pv_repo: Path):
 
 
 def test_compare_metrics_readme_and_registry(pv_repo: Path):
-    m = json.loads((pv_repo / P / "metrics/compare.json").read_text())
+    m = io.read_metrics(pv_repo / P / "details/compare.json")   # every number (NaN: null)
     for arm in ("judge", "genselect", "hybrid", "hybrid_lenient", "majority", "random"):
         assert 0.0 <= m[f"{arm}/proof_acc_mean"] <= m["oracle/proof_acc"] + 1e-9
         assert m[f"{arm}/answer_acc_mean"] >= m[f"{arm}/proof_acc_mean"]  # valid => right answer
@@ -92,7 +92,7 @@ def test_compare_metrics_readme_and_registry(pv_repo: Path):
 
     # simulated-oracle mode (smoke: budgets 4, 16, 64 over pools of 16): no arm spends more
     # than its budget, GenSelect stops at n_p - 1 games, and the table reaches the README
-    o = json.loads((pv_repo / P / "metrics/oracle.json").read_text())
+    o = io.read_metrics(pv_repo / P / "details/oracle.json")
     for b in (4, 16, 64):
         for arm in ("judge", "genselect", "hybrid"):
             assert 0 < o[f"{arm}/B{b}/calls_mean"] <= b
@@ -111,6 +111,41 @@ def test_compare_metrics_readme_and_registry(pv_repo: Path):
     client = mlflow_client(pv_repo)
     assert set(client.get_registered_model("proofverify-judge").aliases) >= {"champion"}
     assert "proofverify-judge" in (pv_repo / "reports/proofverify/compare.md").read_text()
+    # the registered versions carry their scores: validation at registration, then each rule's
+    # test scores from the stage that called the model
+    judge = client.get_model_version_by_alias("proofverify-judge", "champion").tags
+    selector = client.get_model_version_by_alias("proofverify-selector", "champion").tags
+    assert {"metric.val_acc", "metric.judge/proof_acc", "metric.judge/calls_per_problem"} \
+        <= set(judge), judge
+    assert {"metric.val_acc", "metric.genselect/proof_acc", "metric.hybrid/proof_acc",
+            "metric.hybrid_lenient/answer_acc"} <= set(selector), selector
+    head = json.loads((pv_repo / P / "metrics/judge.json").read_text())
+    assert float(judge["metric.judge/proof_acc"]) == pytest.approx(head["proof_acc"], abs=1e-5)
+
+
+def test_rules_side_by_side_in_mlflow(pv_repo: Path):
+    """A run per (rule, seed) under `compare` and per (rule, budget, seed) under `oracle`, each
+    with the rule's params and the same metric names, so MLflow's Compare shows rules side by
+    side (no method encoded in a metric name)."""
+    client = mlflow_client(pv_repo)
+    exp = client.get_experiment_by_name("proofverify")
+    runs = client.search_runs([exp.experiment_id], max_results=2000)
+    rules = [r for r in runs if r.data.tags.get("paperline.stage") == "compare"
+             and r.data.tags.get("paperline.method")]
+    assert {(r.data.params["method"], r.data.params["seed"]) for r in rules} == {
+        (a, str(s)) for a in ("judge", "genselect", "hybrid", "hybrid_lenient", "majority",
+                              "random") for s in range(SEEDS)}
+    assert all(set(r.data.metrics) == {"proof_acc", "answer_acc", "calls", "parse_fail_rate"}
+               for r in rules)
+    hybrid = next(r for r in rules if r.data.params["method"] == "hybrid")
+    assert hybrid.data.params["winner_count"] == "2" and "verifier" in hybrid.data.params
+    assert "survivor_score" in hybrid.data.params
+    oracle = [r for r in runs if r.data.tags.get("paperline.stage") == "oracle"
+              and r.data.tags.get("paperline.method")]
+    assert {r.data.tags["paperline.method"] for r in oracle} >= {"hybrid@B4", "judge@B64"}
+    assert all(set(r.data.metrics) == {"proof_acc", "answer_acc", "calls"} for r in oracle)
+    assert all({"method", "budget", "seed", "p_yes_valid"} <= set(r.data.params)
+               for r in oracle)
 
 
 def test_second_repro_of_the_pipeline_does_nothing(pv_repo: Path):

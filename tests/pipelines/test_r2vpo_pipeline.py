@@ -10,6 +10,7 @@ import polars as pl
 import pytest
 from safetensors.torch import load_file
 
+from stages.core import io
 from tests.conftest import dvc, paperline
 from tests.pipelines.test_base_pipeline import mlflow_client
 
@@ -53,7 +54,7 @@ def test_every_arm_trains_every_seed(r2vpo_repo: Path):
 
 
 def test_compare_metrics_readme_and_control(r2vpo_repo: Path):
-    m = json.loads((r2vpo_repo / P / "metrics/compare.json").read_text())
+    m = io.read_metrics(r2vpo_repo / P / "details/compare.json")
     for arm in ARMS:
         assert 0.0 <= m[f"{arm}/final_acc_mean"] <= 1.0 and m[f"{arm}/seeds"] == 2.0
     for env in ("Pendulum-v1", "sparse_Pendulum-v1"):

@@ -8,9 +8,9 @@ stages of it, `only=`) under another inherited `PYTHONHASHSEED`, which every sta
 cache objects (not the run-cache), so `base` is not retrained while every stage of the pipeline
 under test computes again; the test checks from dvc's log that each of them ran.
 
-What is compared, per stage of the pipeline's dvc.yaml: the md5 in dvc.lock of every `outs` and
-`plots` entry, and of every `metrics` file whose keys hold no wall time (`*seconds*`, `*time*`,
-`*_per_s`, ...): those are measurements of the machine, not results. On a mismatch the message
+What is compared, per stage of the pipeline's dvc.yaml: the md5 in dvc.lock of every `outs`,
+`plots` and `metrics` entry, the `details/` and `metrics/` files included: no tracked file holds a
+wall time (those go to MLflow only, stages/core/io.py `is_timing_key`). On a mismatch the message
 names the stage, the output and, for a folder, the files inside that differ.
 
 The test of each pipeline lives in its own module (with `--dist loadfile` only that module's
@@ -33,21 +33,10 @@ from tests.conftest import copy_repo, dvc, paperline
 pytestmark = pytest.mark.slow
 
 OTHER_HASH_SEED = "123"  # run 1 inherits pytest's environment (random per process, or unset)
-TIMING_KEY = re.compile(r"second|time|wall|elapsed|per_s$")
 
 
 def ran(output: str) -> set[str]:
     return set(re.findall(r"Running stage '(?:[^']*:)?([^':]+)'", output))
-
-
-def _keys(node: object, prefix: str = "") -> list[str]:
-    if isinstance(node, dict):
-        return [k for key, v in node.items() for k in _keys(v, f"{prefix}{key}/")] or [prefix]
-    return [prefix.rstrip("/")]
-
-
-def _timed(path: Path) -> bool:
-    return any(TIMING_KEY.search(k.rsplit("/", 1)[-1]) for k in _keys(json.loads(path.read_text())))
 
 
 def locked_outputs(repo: Path, dvcfile: str) -> dict[tuple[str, str], tuple[str, str, Path]]:
@@ -122,20 +111,15 @@ def assert_same_bytes(first: Path, pipeline: str, dvcfile: str, dest: Path,
     stages = {stage for stage, _ in one}
     assert ran(proc.stdout) == stages, proc.stdout[-4000:]  # each compared stage computed again
 
-    compared, skipped, differ = [], [], []
+    compared, differ = [], []
     for key, (kind, md5, path) in sorted(one.items()):
         other = two[key][1]
-        if kind == "metrics" and (_timed(path) or _timed(two[key][2])):
-            skipped.append(key)
-            continue
         compared.append(key)
         if md5 != other:
             inside = _dir_diff(first, second, (md5, other)) if md5.endswith(".dir") else []
             differ.append(f"{key[0]}: {kind} {key[1]} {md5} != {other}"
                           + (f" (files: {', '.join(inside[:20])})" if inside else ""))
-    print(f"{pipeline}: compared {len(compared)} outputs of {len(stages)} stages; "
-          f"metrics with wall times not compared: {skipped}")
-    assert all(kind != "outs" or key in compared for key, (kind, _, _) in one.items())
+    print(f"{pipeline}: compared {len(compared)} outputs of {len(stages)} stages")
     assert not differ, f"{pipeline}: outputs differ between two fresh clones:\n" + "\n".join(differ)
 
 

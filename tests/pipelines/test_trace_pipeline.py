@@ -9,6 +9,7 @@ import polars as pl
 import pytest
 
 from stages.trace import trace
+from stages.core import io
 from tests.conftest import dvc, paperline
 from tests.pipelines.test_base_pipeline import mlflow_client
 from tests.pipelines.test_same_bytes_clones import assert_same_bytes
@@ -27,10 +28,10 @@ def trace_repo(smoke_repo: Path) -> Path:
 
 
 def test_corpus_tagger_and_llm_labeler(trace_repo: Path):
-    corpus = json.loads((trace_repo / P / "metrics/corpus.json").read_text())
+    corpus = io.read_metrics(trace_repo / P / "details/corpus.json")
     assert corpus["n_sft_traces"] == 40 * 5
     assert corpus["correct_share/good"] > corpus["correct_share/unsupported"]
-    lab = json.loads((trace_repo / P / "metrics/label.json").read_text())
+    lab = io.read_metrics(trace_repo / P / "details/label.json")
     assert 0.0 <= lab["macro_f1"] <= 1.0 and lab["n_test"] == 40
     # the LLM option ran on the tiny base model: its replies are counted, never raised
     assert lab["llm_rows"] == 8 and 0 <= lab["llm_malformed"] <= 8
@@ -49,14 +50,14 @@ def test_samples_carry_trace_recomputable_from_their_labels(trace_repo: Path):
         again = trace.trace_score([frozenset(l) for l in r["labels"]], tables)
         assert r["trace"] == pytest.approx(again["trace"])
         assert r["n_sentences"] == len(r["labels"])
-    cor = json.loads((trace_repo / P / "metrics/correlate.json").read_text())
+    cor = io.read_metrics(trace_repo / P / "details/correlate.json")
     assert cor["conditions"] == len(CONDITIONS)
     assert "pearson/trace" in cor and "point_biserial/length" in cor
 
 
 def test_rl_arms_compare_readme_and_registry(trace_repo: Path):
     for arm, weight in (("rl_acc", 0.0), ("rl_trace", 0.5)):
-        m = json.loads((trace_repo / P / f"metrics/{arm}.json").read_text())
+        m = io.read_metrics(trace_repo / P / f"details/{arm}.json")
         assert m["seeds"] == 2 and m["trace_weight"] == weight          # smoke: 2 seeds
         assert 0.0 <= m["final_acc_mean"] <= 1.0 and m["final_acc_std"] >= 0.0
         assert 0.0 <= m["final_trace_mean"] <= 1.0
@@ -66,9 +67,9 @@ def test_rl_arms_compare_readme_and_registry(trace_repo: Path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     readme = (trace_repo / P / "README.md").read_text()
     block = readme.split("<!-- results:start")[1].split("<!-- results:end")[0]
-    lab = json.loads((trace_repo / P / "metrics/label.json").read_text())
+    lab = io.read_metrics(trace_repo / P / "details/label.json")
     assert f"| {lab['macro_f1']:.3f} |" in block and "| rl_trace | 0.5 |" in block
-    cm = json.loads((trace_repo / P / "metrics/compare.json").read_text())
+    cm = io.read_metrics(trace_repo / P / "details/compare.json")
     for name in ("trace_correlates", "trace_beats_neg_ppl", "trace_beats_length",
                  "ppl_beats_length", "trace_reward_beats_acc"):
         assert cm[f"claim/{name}/verdict"] in (-1.0, 0.0, 1.0)

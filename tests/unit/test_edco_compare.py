@@ -48,14 +48,14 @@ def test_summary_and_results_table_are_the_metrics_rendered():
     assert m["sft/sft_edco/noisy_frac"] == pytest.approx(0.10)
     assert m["sft/initial_acc"] == pytest.approx(0.3)
     metrics = {**m, "sft/rounds": 2.0, "sft/top_n": 4.0, "pool/noisy_frac": 0.05,
-               "estimator/L4/spearman": 0.812, "estimator/L4/time_reduction": 0.6,
-               "estimator/L4/seconds_per_item": 0.001, "estimator/full_mean_tokens": 20.0,
-               "estimator/full_seconds_per_item": 0.0025}
+               "estimator/L4/spearman": 0.812, "estimator/L4/token_reduction": 0.8,
+               "estimator/L4/mean_tokens": 4.0, "estimator/full_mean_tokens": 20.0}
     table = ec.results_table({"compare": dict(sorted(metrics.items()))})
     edco_row = next(line for line in table.splitlines() if line.startswith("| sft_edco |"))
     assert "| 0.700 ± 0.100 | +20.0 |" in edco_row and "| 10.0% |" in edco_row
     assert "| sft_edco | 0.500 / 10.0% / 4 | 0.700 / 10.0% / 4 |" in table
-    assert "| 4 | +0.812 |" in table and "| 60.0% |" in table
+    assert "| 4 | +0.812 | n/a | 4.0 | 80.0% |" in table   # cost in tokens decoded
+    assert "ms" not in table and "time reduction" not in table   # wall times: MLflow only
     assert table.index("| sft_edco |") < table.index("| sft_random |")  # compare's order
     assert "Claims" not in table                   # none in the metrics: none rendered
     assert ec.results_table({}) == "_No results yet: run the pipeline._\n"

@@ -30,7 +30,11 @@ def test_table_counts_verdicts_and_reads_the_measured_wall(tmp_path: Path):
     shutil.copy(REPO / "pipelines/racer/params.yaml", root / "pipelines/racer/params.yaml")
     (root / "pipelines/racer/dvc.yaml").write_text("stages: {}\n")
     (root / "pipelines/racer/metrics/evaluate.json").write_text(json.dumps(
-        {"a/verdict": 1.0, "b/verdict": 0.0, "c/verdict": -1.0, "d/verdict": 1.0, "acc": 0.5}))
+        {"reproduced": 2.0, "inconclusive": 0.0, "contradicted": 1.0}))
+    (root / "pipelines/racer/metrics/oracle.json").write_text(json.dumps(
+        {"reproduced": 0.0, "inconclusive": 1.0, "contradicted": None, "acc": 0.5}))
+    (root / "pipelines/racer/details").mkdir()   # a claim's own verdict is a detail: not counted
+    (root / "pipelines/racer/details/evaluate.json").write_text(json.dumps({"a/verdict": 1.0}))
     (root / "benchmarks").mkdir()
     (root / "benchmarks/RESULTS.md").write_text(
         "# x\n\n## Pipeline wall time\n\n| pipeline | profile | stages | wall (min) | target | "
