@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import io as _io
+import json
 import logging
 import os
 import threading
@@ -356,3 +357,44 @@ def read_parquet_checked(path: str | os.PathLike[str], spec: FrameSpec) -> pl.Da
             f"({type(exc).__name__}: {first})", source=name, rule="readable parquet") from None
     validate_frame(df, spec, name)
     return df
+
+
+def read_json_checked(path: str | os.PathLike[str], required: Mapping[str, Any] | None = None,
+                      *, kind: type = dict) -> Any:
+    """Read a JSON input (a summary, a budget, a manifest another stage wrote) at the stage
+    boundary: a missing, empty or malformed file, a top level of the wrong kind, or a missing key
+    or a value of the wrong type in `required` ({key: type or tuple of types}) is a
+    DataValidationError naming the file and the key, never a raw KeyError further in."""
+    p = Path(path)
+    name = str(path)
+    if not p.is_file():
+        raise DataValidationError(
+            f"{name}: rule 'file exists' failed: no such file (run the stage that produces it, "
+            f"e.g. `dvc repro`)", source=name, rule="file exists")
+    text = p.read_text()
+    if not text.strip():
+        raise DataValidationError(f"{name}: rule 'non-empty file' failed: the file is empty",
+                                  source=name, rule="non-empty file")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise DataValidationError(f"{name}: rule 'readable JSON' failed: {exc}", source=name,
+                                  rule="readable JSON") from None
+    if not isinstance(data, kind):
+        raise DataValidationError(
+            f"{name}: rule 'top level' failed: expected a JSON {kind.__name__}, got "
+            f"{type(data).__name__}", source=name, rule="top level")
+    for key, want in (required or {}).items():
+        if key not in data:
+            raise DataValidationError(f"{name}: rule 'required key' failed: no key {key!r}",
+                                      source=name, column=key, rule="required key")
+        value = data[key]
+        types = want if isinstance(want, tuple) else (want,)
+        if float in types and isinstance(value, int) and not isinstance(value, bool):
+            continue  # JSON has one number type
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            raise DataValidationError(
+                f"{name}: rule 'type' failed: {key!r} is {type(value).__name__}, expected "
+                f"{' or '.join(t.__name__ for t in types)}", source=name, column=key,
+                rule="type")
+    return data

@@ -30,8 +30,16 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from stages.maps.simulate import runs_spec
+from stages.core.checks import read_parquet_checked
 from stages.core import io, stats
 
+
+
+# Durations returned here are results (simulated or the measurement this stage exists to make),
+# not this machine's wall time: only `*seconds`/`wall_*` keys are kept out of DVC
+# (stages/core/io.py `is_timing_key`).
+TIMES_ARE_RESULTS = True
 
 class Config(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -73,7 +81,7 @@ def _values(df, arm: str, col: str, workloads, loads=None) -> dict[tuple, float]
 def run(cfg: Config, ctx: Any) -> dict[str, float]:
     import polars as pl
 
-    df = pl.read_parquet(ctx.path(cfg.runs_path))
+    df = read_parquet_checked(ctx.path(cfg.runs_path), runs_spec())
     arms = set(df["arm"].unique())
     wls = [w for w in cfg.claim_workloads if w in set(df["workload"].unique())]
     m: dict[str, float] = {}
@@ -178,3 +186,9 @@ def results_table(metrics: dict[str, dict[str, Any]]) -> str:
         if cl is not None:
             lines.append(f"- {text}: {cl.sentence('{:+.3f}')}")
     return "\n".join(lines) + "\n"
+
+
+def headline(metrics: dict[str, float]) -> dict[str, float]:
+    """DVC metrics: how many claims are reproduced / inconclusive / contradicted; each claim and
+    every arm's latencies in details/compare.json and the README."""
+    return stats.verdict_counts(metrics)

@@ -237,3 +237,38 @@ def test_good_lists_pass():
 def test_spec_from_schema_rejects_unknown_column():
     with pytest.raises(KeyError, match="not in the schema"):
         spec_from_schema(SCHEMA, nope={"unique": True})
+
+
+# --- read_json_checked: JSON inputs (budgets, summaries, manifests) at the stage boundary ---
+
+@pytest.mark.parametrize("text, required, kind, rule, column", [
+    (None, None, dict, "file exists", None),
+    ("", None, dict, "non-empty file", None),
+    ('{"a": 1', None, dict, "readable JSON", None),
+    ('[1, 2]', None, dict, "top level", None),
+    ('{"a": 1}', {"tokens": float}, dict, "required key", "tokens"),
+    ('{"tokens": "12"}', {"tokens": float}, dict, "type", "tokens"),
+    ('{"tokens": true}', {"tokens": float}, dict, "type", "tokens"),
+    ('{"seeds": {"a": 1}}', {"seeds": list}, dict, "type", "seeds"),
+])
+def test_read_json_checked_names_the_file_key_and_rule(tmp_path, text, required, kind, rule,
+                                                      column):
+    from stages.core.checks import read_json_checked
+
+    path = tmp_path / "budget.json"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(DataValidationError) as err:
+        read_json_checked(path, required, kind=kind)
+    assert err.value.rule == rule and err.value.column == column
+    assert str(path) in str(err.value) and f"rule '{rule}'" in str(err.value)
+
+
+def test_read_json_checked_returns_the_data(tmp_path):
+    from stages.core.checks import read_json_checked
+
+    (tmp_path / "a.json").write_text('{"tokens": 12, "name": "x"}')
+    assert read_json_checked(tmp_path / "a.json", {"tokens": float, "name": str}) == {
+        "tokens": 12, "name": "x"}  # an int is a JSON number: accepted as float
+    (tmp_path / "b.json").write_text('[{"condition": "a"}]')
+    assert read_json_checked(tmp_path / "b.json", kind=list) == [{"condition": "a"}]
