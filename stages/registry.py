@@ -11,6 +11,10 @@ from __future__ import annotations
 # (`base`: tasks, tokenizer, base model; `serving`: the serving simulator and its checks).
 SHARED: frozenset[str] = frozenset({"base", "serving"})
 
+# A paper's package where it is not `stages/<slug>/` (the import rule checks it as that paper's):
+# the CoRe paper's slug `core` would clash with `stages/core`, the stage contract.
+PACKAGES: dict[str, str] = {"core": "core_align"}
+
 STAGES: dict[str, dict[str, str]] = {
     # Shared stages of the root dvc.yaml; together they are the pipeline named "base".
     "base": {

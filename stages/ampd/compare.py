@@ -165,8 +165,8 @@ def summarize(runs: Any, grid: dict[str, Any], cfg: Config) -> dict[str, float]:
 def log_method_runs(ctx: Any, runs: Any) -> None:
     """One MLflow run per (arm, seed): one step per load, the same metric set for every arm."""
     for (arm, seed), g in runs.sort("load_index").group_by(["arm", "seed"], maintain_order=True):
-        with ctx.method_run("simulate", arm, int(seed), params={"arm": arm,
-                                                                "letter": ARM_LETTERS[arm]}) as r:
+        with ctx.method_run("simulate", arm, int(seed), params={
+                "arm": arm, "letter": ARM_LETTERS[arm], "seed": int(seed)}) as r:
             for row in g.iter_rows(named=True):
                 r.log_metrics({"attainment": row["attainment"],
                                "round_attainment": row["round_attainment"],

@@ -328,12 +328,9 @@ def _check_balance(df: pl.DataFrame, spec: FrameSpec, name: str) -> None:
                 source=name, column=col, rule="balance")
 
 
-def read_parquet_checked(path: str | os.PathLike[str], spec: FrameSpec) -> pl.DataFrame:
-    """Read a parquet input and validate it against `spec`; every defect is a DataValidationError."""
-    import polars as pl
-
-    p = Path(path)
-    name = str(path)
+def _existing_file(path: str | os.PathLike[str]) -> tuple[Path, str]:
+    """(path, its name for messages), or a DataValidationError if it is not a regular file."""
+    p, name = Path(path), str(path)
     if not p.exists():
         raise DataValidationError(
             f"{name}: rule 'file exists' failed: no such file (run the stage that produces it, "
@@ -341,6 +338,14 @@ def read_parquet_checked(path: str | os.PathLike[str], spec: FrameSpec) -> pl.Da
     if not p.is_file():
         raise DataValidationError(f"{name}: rule 'file exists' failed: not a regular file",
                                   source=name, rule="file exists")
+    return p, name
+
+
+def read_parquet_checked(path: str | os.PathLike[str], spec: FrameSpec) -> pl.DataFrame:
+    """Read a parquet input and validate it against `spec`; every defect is a DataValidationError."""
+    import polars as pl
+
+    p, name = _existing_file(path)
     if p.stat().st_size == 0:
         raise DataValidationError(f"{name}: rule 'non-empty file' failed: the file is empty "
                                   f"(0 bytes), not parquet", source=name, rule="non-empty file")
@@ -365,12 +370,7 @@ def read_json_checked(path: str | os.PathLike[str], required: Mapping[str, Any] 
     boundary: a missing, empty or malformed file, a top level of the wrong kind, or a missing key
     or a value of the wrong type in `required` ({key: type or tuple of types}) is a
     DataValidationError naming the file and the key, never a raw KeyError further in."""
-    p = Path(path)
-    name = str(path)
-    if not p.is_file():
-        raise DataValidationError(
-            f"{name}: rule 'file exists' failed: no such file (run the stage that produces it, "
-            f"e.g. `dvc repro`)", source=name, rule="file exists")
+    p, name = _existing_file(path)
     text = p.read_text()
     if not text.strip():
         raise DataValidationError(f"{name}: rule 'non-empty file' failed: the file is empty",

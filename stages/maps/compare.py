@@ -78,6 +78,26 @@ def _values(df, arm: str, col: str, workloads, loads=None) -> dict[tuple, float]
             g.select("workload", "seed", "rate_index", col).iter_rows()}
 
 
+METHOD_METRICS = ("e2e_mean_s", "e2e_p99_s", "ttft_mean_s", "tpot_mean_s", "queue_len",
+                  "preemptions", "rate")
+
+
+def log_method_runs(ctx: Any, df: Any) -> None:
+    """One MLflow run per (workload, arm, seed), the workload as the run's group: one step per
+    rate index and the same metric set for every arm, so MLflow's Compare view shows the arms
+    of a workload side by side (`coverage` too, for the arms with a conformal bound)."""
+    for (w, arm, seed), g in (df.sort(["workload", "arm", "seed", "rate_index"])
+                              .group_by(["workload", "arm", "seed"], maintain_order=True)):
+        with ctx.method_run(str(w), str(arm), int(seed),
+                            params={"arm": arm, "workload": w, "seed": int(seed)}) as r:
+            for row in g.iter_rows(named=True):
+                values = {k: float(row[k]) for k in METHOD_METRICS if k in row}
+                if "coverage" in row and row["coverage"] is not None \
+                        and math.isfinite(row["coverage"]):
+                    values["coverage"] = float(row["coverage"])
+                r.log_metrics(values, step=int(row["rate_index"]))
+
+
 def run(cfg: Config, ctx: Any) -> dict[str, float]:
     import polars as pl
 
@@ -113,6 +133,7 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
             if v:
                 m[f"{w}/maps/coverage"] = float(np.mean(v))
     m["target_coverage"] = 1.0 - cfg.alpha
+    log_method_runs(ctx, df)
     # per (workload, arm, load): means over seeds, the table and the plots
     agg = (df.group_by(["workload", "arm", "load"])
            .agg(pl.col("e2e_mean_s").mean(), pl.col("e2e_p99_s").mean(),

@@ -53,7 +53,8 @@ def runs_spec():
     from stages.core.checks import ColumnSpec, FrameSpec
 
     pos = {c: ColumnSpec(dtype=pl.Float64, min=0.0)
-           for c in ("rate", "load", "e2e_mean_s", "e2e_p99_s", "e2e_p99_long_s", "queue_len")}
+           for c in ("rate", "load", "e2e_mean_s", "e2e_p99_s", "e2e_p99_long_s", "queue_len",
+                     "ttft_mean_s", "tpot_mean_s")}
     return FrameSpec(columns={"workload": ColumnSpec(dtype=pl.String),
                               "arm": ColumnSpec(dtype=pl.String),
                               "seed": ColumnSpec(dtype=pl.Int64),
