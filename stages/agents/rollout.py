@@ -78,7 +78,7 @@ class Ledger:
     invalid_actions: int = 0
     failures_in_a_row: int = 0
 
-    def stop_before(self, budget: Budget, agent: "Agent", prompt_tokens: int | None,
+    def stop_before(self, budget: Budget, agent: Agent, prompt_tokens: int | None,
                     cap: int) -> str | None:
         if self.steps >= budget.max_steps:
             return "max_steps"
@@ -88,10 +88,7 @@ class Ledger:
             return "max_calls"
         if budget.max_gen_tokens is not None and self.gen_tokens >= budget.max_gen_tokens:
             return "max_gen_tokens"
-        if budget.max_prompt_tokens is not None:
-            if prompt_tokens is None:
-                raise ValueError("budget.max_prompt_tokens is set but the agent cannot count "
-                                 "prompt tokens (give ModelAgent a count_tokens function)")
+        if budget.max_prompt_tokens is not None and prompt_tokens is not None:
             if (self.prompt_tokens or 0) + prompt_tokens > budget.max_prompt_tokens:
                 return "max_prompt_tokens"
         if (agent.context is not None and prompt_tokens is not None
@@ -248,6 +245,11 @@ def run_episodes(envs: Sequence[Env], agent: Agent, budget: Budget, fmt: PromptF
         raise ValueError(f"batch_size = {batch_size}: must be >= 1")
     ids = list(episode_ids) if episode_ids is not None else [f"ep{i:05d}"
                                                              for i in range(len(envs))]
+    if (budget.max_prompt_tokens is not None and agent.uses_model
+            and agent.count_tokens("") is None):
+        raise ValueError(f"budget.max_prompt_tokens = {budget.max_prompt_tokens} but agent "
+                         f"{agent.name} cannot count prompt tokens (give ModelAgent a "
+                         "count_tokens function)")
     if len(ids) != len(envs) or len(set(ids)) != len(ids):
         raise ValueError(f"episode_ids: expected {len(envs)} distinct ids, got {len(ids)} "
                          f"({len(set(ids))} distinct)")
