@@ -398,3 +398,36 @@ def read_json_checked(path: str | os.PathLike[str], required: Mapping[str, Any] 
                 f"{' or '.join(t.__name__ for t in types)}", source=name, column=key,
                 rule="type")
     return data
+
+
+def read_array_checked(path: str | os.PathLike[str], *, ndim: int, rows: int | None = None,
+                       kind: str = "f") -> Any:
+    """Read a `.npy` input (features, embeddings) at the stage boundary: a missing, empty or
+    corrupt file (pickled objects are refused), the wrong number of dimensions, a dtype of
+    another kind (`f` float, `i` integer), a row count other than `rows`, or a NaN / inf is a
+    DataValidationError naming the file and the rule."""
+    import numpy as np
+
+    p, name = _existing_file(path)
+    if p.stat().st_size == 0:
+        raise DataValidationError(f"{name}: rule 'non-empty file' failed: the file is empty",
+                                  source=name, rule="non-empty file")
+    try:
+        arr = np.load(p, allow_pickle=False)
+    except Exception as exc:  # a bad header, a truncated body, a pickle
+        raise DataValidationError(f"{name}: rule 'readable npy' failed: {type(exc).__name__}: "
+                                  f"{exc}", source=name, rule="readable npy") from None
+    if arr.ndim != ndim:
+        raise DataValidationError(f"{name}: rule 'ndim' failed: {arr.ndim} dimensions "
+                                  f"{arr.shape}, expected {ndim}", source=name, rule="ndim")
+    if arr.dtype.kind != kind:
+        raise DataValidationError(f"{name}: rule 'dtype' failed: observed {arr.dtype}, expected "
+                                  f"kind {kind!r}", source=name, rule="dtype")
+    if rows is not None and arr.shape[0] != rows:
+        raise DataValidationError(f"{name}: rule 'row count' failed: {arr.shape[0]} rows, "
+                                  f"expected {rows}", source=name, rule="row count")
+    if kind == "f" and not np.isfinite(arr).all():
+        bad = int((~np.isfinite(arr)).sum())
+        raise DataValidationError(f"{name}: rule 'finite' failed: {bad} NaN or inf values",
+                                  source=name, rule="finite")
+    return arr

@@ -44,7 +44,7 @@ from typing import Any, Callable, Literal, Sequence
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from stages.core.checks import read_json_checked
+from stages.core.checks import read_array_checked, read_json_checked
 from stages.core import io
 
 # --- the math: small pure functions (numpy) ------------------------------------------------------
@@ -538,8 +538,8 @@ def load_arrays(features_dir: Path, outcomes_dir: Path, split: str) -> tuple[np.
 
     from stages.racer.outcomes import read_outcomes
 
-    feats = np.load(features_dir / f"{split}.npy")
     ids = read_json_checked(features_dir / f"{split}.ids.json", kind=list)
+    feats = read_array_checked(features_dir / f"{split}.npy", ndim=2, rows=len(ids))
     out = read_outcomes(outcomes_dir / f"{split}.parquet")
     pos = {i: k for k, i in enumerate(ids)}
     missing = [i for i in out["id"].to_list() if i not in pos]

@@ -80,6 +80,29 @@ def test_the_scan_finds_a_planted_plain_read(tmp_path: Path):
                                      "stages/demo/b.py:1: read_parquet"]
 
 
+def plain_array_reads(root: Path) -> list[str]:
+    """`path:line` of every `np.load(...)` / `numpy.load(...)` in root/stages outside the core:
+    arrays are read through `read_array_checked`."""
+    found = []
+    for path in sorted((root / "stages").rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith("stages/core/"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=rel)):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "load"
+                    and getattr(node.func.value, "id", None) in ("np", "numpy")):
+                found.append(f"{rel}:{node.lineno}")
+    return found
+
+
+def test_stage_code_reads_arrays_only_through_the_checked_loader(tmp_path: Path):
+    assert plain_array_reads(REPO) == [], "read these through checks.read_array_checked"
+    (tmp_path / "stages" / "demo").mkdir(parents=True)
+    (tmp_path / "stages" / "demo" / "a.py").write_text("import numpy as np\nx = np.load(p)\n")
+    assert plain_array_reads(tmp_path) == ["stages/demo/a.py:2"]
+
+
 def test_stage_code_reads_json_files_only_through_the_checked_loader():
     assert plain_json_reads(REPO) == [], (
         "read these through stages.core.checks.read_json_checked(path, {key: type})")
