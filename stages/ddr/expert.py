@@ -53,3 +53,7 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     out = summarise(episodes)
     return {"expert_episodes": out["episodes"], "expert_finished": out["success_rate"],
             "expert_mean_turns": out["mean_steps"], "expert_turns": float(steps.height)}
+
+
+def headline(details: dict[str, float]) -> dict[str, float]:
+    return {"finished": details["expert_finished"]}

@@ -130,5 +130,8 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
 
 
 def headline(details: dict[str, float]) -> dict[str, float]:
-    return {k: v for k, v in details.items()
-            if k.startswith("learned/") and k.count("/") == 1}
+    """DVC metrics: how often the learned explorer's reply was no valid call, and how often it
+    ended its exploration itself (FINISH)."""
+    return {k: details[f"learned/{v}"] for k, v in
+            (("parse_fail", "parse_failure_rate"), ("finished", "success_rate"))
+            if f"learned/{v}" in details}

@@ -63,3 +63,7 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
                                    tags={"arm": "learned", "expert": "breadth",
                                          "n_params": str(n_params)})
     return {**{k: float(v) for k, v in metrics.items()}, "n_params": float(n_params)}
+
+
+def headline(details: dict[str, float]) -> dict[str, float]:
+    return {"loss": details["train_loss"]}
