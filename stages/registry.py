@@ -147,6 +147,17 @@ STAGES: dict[str, dict[str, str]] = {
         "simulate": "stages.maps.simulate",
         "compare": "stages.maps.compare",
     },
+    # DDR: question-free exploration of per-patient SQLite databases (read-only, SELECT-only
+    # guard) scored on hidden checklists; a tiny Llama explorer imitating the scripted
+    # breadth-first one, against scripted breadth/depth/random/reactive reference arms.
+    "ddr": {
+        "databases": "stages.ddr.databases",
+        "expert": "stages.ddr.expert",
+        "train_explorer": "stages.ddr.train_explorer",
+        "explore": "stages.ddr.explore",
+        "score": "stages.ddr.score",
+        "compare": "stages.ddr.compare",
+    },
 }
 
 # How each pipeline's README results table is rendered from its DVC metrics ("module:function"
@@ -163,6 +174,7 @@ REPORTS: dict[str, str] = {
     "serving": "stages.serving.report:results_table",
     "ampd": "stages.ampd.compare:results_table",
     "maps": "stages.maps.compare:results_table",
+    "ddr": "stages.ddr.compare:results_table",
 }
 
 # The root README's pipeline table (`paperline report` renders it with the measured `cpu` wall
@@ -188,6 +200,9 @@ PAPERS: dict[str, dict[str, str]] = {
     "maps": {"paper": "MAPS, arXiv 2609.15359",
              "compares": "predictive, memory-aware dispatch + SJF vs round-robin, least-request, "
                          "Llumnix-like on a simulated PD-disaggregated cluster"},
+    "ddr": {"paper": "DDR, arXiv 2602.02039",
+            "compares": "question-free database exploration: a learned (imitation) explorer vs "
+                        "scripted breadth-first, depth-first, random and reactive explorers"},
     "trace": {"paper": "TRACE, arXiv 2605.29656",
               "compares": "Toulmin-structure score of chains of thought: correlation with "
                           "accuracy; GRPO with a TRACE reward"},

@@ -82,6 +82,8 @@ INPUTS: dict[str, Callable[[], FrameSpec]] = {
     "maps/pred (simulate)": _attr("stages.maps.workload", "pred_spec"),
     "maps/calibration (simulate)": _attr("stages.maps.workload", "calibration_spec"),
     "maps/lengths (workload)": _attr("stages.maps.workload", "samples_spec"),
+    "ddr/checklist (expert, explore, score)": _attr("stages.ddr.databases", "checklist_spec"),
+    "ddr/insights (score)": _attr("stages.ddr.explore", "insight_spec"),
     "agents/episodes (agents.trajectories.read_rollouts)": _attr(
         "stages.agents.trajectories", "episode_expectations"),
     "agents/steps (agents.trajectories.read_rollouts)": _attr(
@@ -213,7 +215,8 @@ def test_every_reading_module_is_covered():
                "stages/racer/features.py", "stages/trace/label.py",
                "stages/trace/policy.py", "stages/serving/workload.py",
                "stages/ampd/compare.py", "stages/maps/compare.py", "stages/maps/simulate.py",
-               "stages/maps/workload.py", "stages/agents/trajectories.py"} | set(INLINE)
+               "stages/maps/workload.py", "stages/agents/trajectories.py",
+               "stages/ddr/expert.py", "stages/ddr/explore.py", "stages/ddr/score.py"} | set(INLINE)
     readers = set()
     for path in (REPO / "stages").rglob("*.py"):
         tree = ast.parse(path.read_text())
