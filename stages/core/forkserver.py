@@ -52,6 +52,9 @@ ENV = "PAPERLINE_FORKSERVER"  # the socket's path, set for stage processes by `p
 PRELOAD = ("numpy", "polars", "pydantic", "yaml", "torch", "safetensors.torch", "transformers",
            "transformers.models.llama.modeling_llama", "transformers.trainer",
            "transformers.models.auto.tokenization_auto")
+# What decides which code a fresh interpreter imports, fixed when the server started: a client
+# whose values differ (a Prefect workspace's PYTHONPATH, say) runs its stage itself.
+SAME_ENV = ("PYTHONPATH", "PYTHONHASHSEED", "PYTHONHOME", "PYTHONSAFEPATH", "VIRTUAL_ENV")
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 _HEADER = struct.Struct("!I")
 
@@ -216,6 +219,10 @@ def serve(path: str) -> None:
             if struct.unpack("3i", creds)[1] != uid:
                 raise PermissionError("peer of another user")
             request = _recv(conn, fds)
+            differs = [k for k in SAME_ENV if request["env"].get(k) != os.environ.get(k)]
+            if differs:  # a fresh interpreter would import other code: let the client run it
+                _send(conn, {"refused": f"{', '.join(differs)} differ from the server's"})
+                raise ValueError(differs)
             pid = os.fork()
         except (OSError, EOFError, ValueError):
             for fd in fds:

@@ -6,6 +6,7 @@ the stage itself. That the bytes do not depend on it: tests/pipelines/test_same_
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -85,3 +86,24 @@ def test_a_killed_client_takes_its_forked_stage_along(smoke_copy: Path):
         child.wait(30)  # raises TimeoutExpired if the stage outlived its client
     assert {p.name: p.stat().st_mtime_ns for p in model.iterdir()} == before
     assert not list(model.parent.glob(".*tmp*")) and not list(model.glob("*.tmp*"))
+
+
+def test_a_client_that_would_import_other_code_runs_the_stage_itself(tmp_path: Path):
+    """A client whose PYTHONPATH names other code (a Prefect workspace's) is refused by the
+    server, whose children would import the server's code, and runs the stage in its own
+    interpreter: here a copy of `stages` whose `main` says so."""
+    shadow = tmp_path / "shadow"
+    shutil.copytree(REPO / "stages", shadow / "stages",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    main = shadow / "stages" / "__main__.py"
+    text = main.read_text()
+    marker = "def main(argv: list[str] | None = None) -> int:\n"
+    assert marker in text
+    main.write_text(text.replace(marker, marker + "    print('shadow stages', flush=True)\n"))
+    with forkserver.running(REPO, dict(os.environ)) as env:
+        _wait_ready(env[forkserver.ENV])
+        proc = _stage(REPO / "pipelines" / "racer", {**env, "PYTHONPATH": str(shadow)},
+                      "nosuch", "tasks")
+        out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "nosuch" in err
+    assert "shadow stages" in out, (out, err)
