@@ -116,16 +116,62 @@ def headline(details: dict[str, float]) -> dict[str, float]:
     return stats.verdict_counts(details)
 
 
-def results_table(metrics: dict[str, float], profile: str | None = None) -> str:
-    """The README block: claims with their verdicts (rendered from the compare metrics)."""
-    rows = ["| claim | verdict | diff [95% CI] | MDE | paper |", "|---|---|---|---|---|"]
-    names = sorted({k.split("/verdict")[0] for k in metrics if k.startswith("claim/")
+def results_table(metrics: dict[str, dict[str, Any]]) -> str:
+    """The README block, from the stages' metrics: arms per budget, the claims, the kernel's
+    checks and the i.i.d. check."""
+    m = metrics.get("compare", {})
+    arms = sorted({k.split("/")[0] for k in m if k.count("/") == 2 and k.endswith("/solved")},
+                  key=lambda a: ("iid", "random_tree", "value_tree", "long_history",
+                                 "base_refiner", "cold_refiner").index(a)
+                  if a in ("iid", "random_tree", "value_tree", "long_history", "base_refiner",
+                           "cold_refiner") else 99)
+    if not arms:
+        return "_No results yet: run the pipeline._\n"
+    budgets = sorted({int(k.split("/")[1][1:]) for k in m if k.count("/") == 2
+                      and k.endswith("/solved")})
+    lines = ["Solved share of the test statements (mean over training seeds) and output tokens "
+             f"per problem at B = {budgets[-1]}:", "",
+             "| arm | " + " | ".join(f"B = {b}" for b in budgets) + " | output tokens |",
+             "|---|" + "---|" * (len(budgets) + 1)]
+    for arm in arms:
+        lines.append(f"| {arm} | " + " | ".join(f"{m[f'{arm}/B{b}/solved']:.3f}"
+                                                for b in budgets)
+                     + f" | {m.get(f'{arm}/output_tokens', float('nan')):.0f} |")
+    lines += ["", "Claims (house rule: paired over test problems, 95% bootstrap CI; paper "
+              "effects = PutnamBench counts / 657):", "",
+              "| claim | verdict | diff [95% CI] | MDE | paper |", "|---|---|---|---|---|"]
+    names = sorted({k[:-len("/verdict")] for k in m if k.startswith("claim/")
                     and k.endswith("/verdict")})
     for name in names:
-        c = stats.read_claim(metrics, name)
+        c = stats.read_claim(m, name)
         if c is None:
             continue
         paper = "n/a" if c.paper_effect is None else f"{c.paper_effect:+.3f}"
-        rows.append(f"| {name[6:]} | {c.name} | {c.diff:+.3f} [{c.low:+.3f}, {c.high:+.3f}] | "
-                    f"{c.mde:.3f} | {paper} |")
-    return "\n".join(rows)
+        lines.append(f"| {name[6:]} | {c.name} | {c.diff:+.3f} [{c.low:+.3f}, {c.high:+.3f}] | "
+                     f"{c.mde:.3f} | {paper} |")
+    p = metrics.get("problems", {})
+    s = metrics.get("search", {})
+    t = metrics.get("train", {})
+    lines += ["", "Kernel and models:", ""]
+    if p:
+        coq = (f"Coq `lia` agreement {p['coq_agreement']:.3f} on {p['coq_n']:.0f} proofs "
+               f"({p['coq_unexplained']:.0f} unexplained)" if p.get("coq_ran")
+               else "Coq cross-check skipped (no coqc)")
+        lines.append(f"- {p.get('n_test', 0):.0f} test statements, all certified by z3; "
+                     f"one-character tampering rejected {p['tamper_rejected_share']:.4f} of "
+                     f"{p['tampered']:.0f} (the rest stay entailed, z3); {coq}.")
+    if s:
+        lines.append(f"- Base prover's wrong samples: {s['real_failures/wrong_proofs']:.0f} "
+                     f"distinct wrong proofs on {s['real_failures/signatures']:.0f} first-error "
+                     f"signatures ({s['real_failures/proofs_per_signature']:.1f} per signature; "
+                     f"{s['real_failures/shared_share']:.2f} share one).")
+        if "iid_check/max_abs_z" in s:
+            lines.append(f"- i.i.d. check: max |observed - (1 - (1 - p)^B)| / sd over seeds and "
+                         f"budgets = {s['iid_check/max_abs_z']:.2f}.")
+    if t:
+        lines.append(f"- Base prover acceptance on train statements "
+                     f"{t.get('mean/base_train_accept', float('nan')):.3f}; refiner repair "
+                     f"acceptance in the last expert-iteration round "
+                     f"{t.get('mean/ei2_repair_accept', float('nan')):.3f}; value model AUC "
+                     f"(train logs) {t.get('mean/value_auc_train', float('nan')):.2f}.")
+    return "\n".join(lines) + "\n"
