@@ -177,3 +177,21 @@ def test_corruptions_are_mostly_wrong():
     rng = random.Random(0)
     bad = [kernel.corrupt(PROOF, rng) for _ in range(200)]
     assert sum(not kernel.check(ST, b).ok for b in bad) > 160   # a lower bound can stay true
+
+
+def test_results_table_renders_arms_claims_and_checks():
+    from stages.core import stats
+    from stages.refine_prover.compare import results_table
+
+    c = stats.claim([1.0, 1.0, 0.0, 1.0], [0.0, 1.0, 0.0, 0.0], paper_effect=0.047)
+    compare = {"iid/B8/solved": 0.25, "iid/B16/solved": 0.5, "iid/output_tokens": 300.0,
+               "random_tree/B8/solved": 0.5, "random_tree/B16/solved": 0.75,
+               "random_tree/output_tokens": 200.0,
+               **stats.claim_metrics(c, "claim/random_vs_iid/B16")}
+    problems = {"n_test": 4.0, "tamper_rejected_share": 0.999, "tampered": 5000.0,
+                "coq_ran": 1.0, "coq_agreement": 1.0, "coq_n": 20.0, "coq_unexplained": 0.0}
+    text = results_table({"compare": compare, "problems": problems})
+    assert "| iid | 0.250 | 0.500 | 300 |" in text
+    assert "| random_vs_iid/B16 | inconclusive |" in text and "+0.047" in text
+    assert "Coq `lia` agreement 1.000 on 20 proofs (0 unexplained)" in text
+    assert results_table({}) == "_No results yet: run the pipeline._\n"
