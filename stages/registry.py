@@ -158,6 +158,15 @@ STAGES: dict[str, dict[str, str]] = {
         "score": "stages.ddr.score",
         "compare": "stages.ddr.compare",
     },
+    # Refine-Prover: a toy tactic language with a Python kernel (z3-certified statements, a
+    # Coq `lia` cross-check), a tiny base prover and refiner (cold start + expert iteration), a
+    # value model; i.i.d. sampling vs random / value-guided refinement trees on a budget grid.
+    "refine_prover": {
+        "problems": "stages.refine_prover.problems",
+        "train": "stages.refine_prover.train",
+        "search": "stages.refine_prover.search",
+        "compare": "stages.refine_prover.compare",
+    },
 }
 
 # How each pipeline's README results table is rendered from its DVC metrics ("module:function"
@@ -175,6 +184,7 @@ REPORTS: dict[str, str] = {
     "ampd": "stages.ampd.compare:results_table",
     "maps": "stages.maps.compare:results_table",
     "ddr": "stages.ddr.compare:results_table",
+    "refine_prover": "stages.refine_prover.compare:results_table",
 }
 
 # The root README's pipeline table (`paperline report` renders it with the measured `cpu` wall
@@ -203,6 +213,10 @@ PAPERS: dict[str, dict[str, str]] = {
     "ddr": {"paper": "DDR, arXiv 2602.02039",
             "compares": "question-free database exploration: a learned (imitation) explorer vs "
                         "scripted breadth-first, depth-first, random and reactive explorers"},
+    "refine_prover": {"paper": "Refine-Prover, arXiv 2604.18587",
+                      "compares": "feedback-conditioned proof repair trees (random, value-guided) "
+                                  "vs i.i.d. sampling, long-history and untrained refiners at "
+                                  "equal generation budgets (toy kernel)"},
     "trace": {"paper": "TRACE, arXiv 2605.29656",
               "compares": "Toulmin-structure score of chains of thought: correlation with "
                           "accuracy; GRPO with a TRACE reward"},

@@ -78,6 +78,9 @@ INPUTS: dict[str, Callable[[], FrameSpec]] = {
     "serving/trace (ampd simulate, maps simulate)": _attr("stages.serving.workload",
                                                           "trace_spec"),
     "ampd/runs (compare)": _attr("stages.ampd.simulate", "runs_spec"),
+    "refine_prover/problems (train, search)": _attr("stages.refine_prover.problems",
+                                                    "problem_spec"),
+    "refine_prover/results (compare)": _attr("stages.refine_prover.search", "result_spec"),
     "maps/runs (compare)": _attr("stages.maps.simulate", "runs_spec"),
     "maps/pred (simulate)": _attr("stages.maps.workload", "pred_spec"),
     "maps/calibration (simulate)": _attr("stages.maps.workload", "calibration_spec"),
@@ -216,7 +219,8 @@ def test_every_reading_module_is_covered():
                "stages/trace/policy.py", "stages/serving/workload.py",
                "stages/ampd/compare.py", "stages/maps/compare.py", "stages/maps/simulate.py",
                "stages/maps/workload.py", "stages/agents/trajectories.py",
-               "stages/ddr/expert.py", "stages/ddr/explore.py", "stages/ddr/score.py"} | set(INLINE)
+               "stages/ddr/expert.py", "stages/ddr/explore.py", "stages/ddr/score.py",
+               "stages/refine_prover/train.py", "stages/refine_prover/compare.py"} | set(INLINE)
     readers = set()
     for path in (REPO / "stages").rglob("*.py"):
         tree = ast.parse(path.read_text())
