@@ -3,8 +3,8 @@
 Every DVC stage is a fresh `python -m stages <pipeline> <stage>` process, and a stage that loads
 a model spends seconds importing torch and transformers before its work starts (a tiny `smoke`
 stage often spends most of its life there; `benchmarks/RESULTS.md` "Stage start-up"). Under
-`paperline repro`, one server process imports those libraries once, and each stage process
-asks it for a forked copy of itself to run the stage in:
+`paperline repro`, one server process imports those libraries once (when the first stage asks),
+and each stage process asks it for a forked copy of itself to run the stage in:
 
     dvc ── sh -c ── python -m stages p s  (the *client*: what DVC started and waits for)
                           │  unix socket: argv, cwd, environment, and its stdin/stdout/stderr
@@ -201,10 +201,10 @@ def _await_child(conn: socket.socket, pid: int) -> None:
 
 
 def serve(path: str) -> None:
-    """Import the heavy libraries, then fork one child per connection, forever."""
-    for name in PRELOAD:
-        with contextlib.suppress(ImportError):
-            importlib.import_module(name)
+    """Fork one child per connection, forever; the heavy libraries are imported when the first
+    stage asks (that stage waits about as long as it would have imported them itself), so a
+    `paperline repro` with nothing to run costs nothing here."""
+    preloaded = False
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path + ".tmp")
     os.rename(path + ".tmp", path)  # connectable only once listening: clients never wait
@@ -219,6 +219,11 @@ def serve(path: str) -> None:
             if struct.unpack("3i", creds)[1] != uid:
                 raise PermissionError("peer of another user")
             request = _recv(conn, fds)
+            if not preloaded:
+                for name in PRELOAD:
+                    with contextlib.suppress(ImportError):
+                        importlib.import_module(name)
+                preloaded = True
             differs = [k for k in SAME_ENV if request["env"].get(k) != os.environ.get(k)]
             if differs:  # a fresh interpreter would import other code: let the client run it
                 _send(conn, {"refused": f"{', '.join(differs)} differ from the server's"})
@@ -243,9 +248,9 @@ def serve(path: str) -> None:
 
 @contextlib.contextmanager
 def running(root: Path, env: dict[str, str]) -> Iterator[dict[str, str]]:
-    """A fork server for the stages of one `paperline repro`: yields `env` with $ENV set (the
-    stages use the server once it is ready, and start normally before that); stops it by its
-    PID on exit. `PAPERLINE_FORKSERVER=off` in `env` turns it off."""
+    """A fork server for the stages of one `paperline repro`: yields `env` with $ENV set (a stage
+    that comes before the server listens starts normally); stops it by its PID on exit.
+    `PAPERLINE_FORKSERVER=off` in `env` turns it off."""
     if env.get(ENV, "").lower() in ("off", "0", "false") or not hasattr(socket, "send_fds"):
         yield {k: v for k, v in env.items() if k != ENV}
         return
