@@ -82,6 +82,9 @@ INPUTS: dict[str, Callable[[], FrameSpec]] = {
     "maps/pred (simulate)": _attr("stages.maps.workload", "pred_spec"),
     "maps/calibration (simulate)": _attr("stages.maps.workload", "calibration_spec"),
     "maps/lengths (workload)": _attr("stages.maps.workload", "samples_spec"),
+    "cotfsm/lm_train (train)": _attr("stages.cotfsm.traces", "trace_spec", "lm_train"),
+    "cotfsm/problems (fit_fsm, steer_eval)": _attr("stages.cotfsm.traces", "trace_spec", "test"),
+    "cotfsm/results (compare)": _attr("stages.cotfsm.compare", "results_spec"),
     "agents/episodes (agents.trajectories.read_rollouts)": _attr(
         "stages.agents.trajectories", "episode_expectations"),
     "agents/steps (agents.trajectories.read_rollouts)": _attr(
@@ -213,7 +216,8 @@ def test_every_reading_module_is_covered():
                "stages/racer/features.py", "stages/trace/label.py",
                "stages/trace/policy.py", "stages/serving/workload.py",
                "stages/ampd/compare.py", "stages/maps/compare.py", "stages/maps/simulate.py",
-               "stages/maps/workload.py", "stages/agents/trajectories.py"} | set(INLINE)
+               "stages/maps/workload.py", "stages/agents/trajectories.py",
+               "stages/cotfsm/traces.py", "stages/cotfsm/compare.py"} | set(INLINE)
     readers = set()
     for path in (REPO / "stages").rglob("*.py"):
         tree = ast.parse(path.read_text())
