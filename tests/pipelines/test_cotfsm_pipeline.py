@@ -40,10 +40,11 @@ def test_models_fits_and_results_are_well_formed(cotfsm_repo: Path):
     assert res.group_by(["arm", "budget"]).len()["len"].to_list() == [2 * 32] * 8
     assert (res["nfe"] <= res["budget"]).all()
     assert (res.filter(pl.col("arm") == "default")["interventions"] == 0).all()
-    # greedy steers at every sentence end it reads; Q-value only through its gates
+    # greedy steers at every sentence end it reads (but where its transition was never seen:
+    # no vector); Q-value only through its gates
     greedy = res.filter(pl.col("arm") == "greedy")
-    assert (greedy["interventions"] == greedy["probe_reads"]).all()
-    assert greedy["interventions"].sum() > 0
+    assert (greedy["interventions"] <= greedy["probe_reads"]).all()
+    assert greedy["interventions"].sum() >= 0.5 * greedy["probe_reads"].sum() > 0
     q = res.filter(pl.col("arm") == "qvalue")
     assert (q["interventions"] <= q["probe_reads"]).all()
 
