@@ -217,16 +217,12 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
 
 
 def headline(metrics: dict[str, float]) -> dict[str, float]:
-    """DVC metrics: the unsteered model's accuracy on the fit CoTs, the chosen layer and its
-    probes' val accuracy (means over seeds); per seed and layer in details/fit_fsm.json."""
+    """DVC metrics: the chosen layer and its g_next val accuracy (means over seeds); per seed
+    and layer, g_curr and the unsteered accuracy in details/fit_fsm.json."""
     seeds = sorted({k.split("/")[0] for k in metrics if k.endswith("/layer")})
-    out: dict[str, float] = {}
     if not seeds:
-        return out
+        return {}
     layer = {s: int(metrics[f"{s}/layer"]) for s in seeds}
-    out["default_fit_acc"] = float(np.mean([metrics[f"{s}/fit/acc"] for s in seeds]))
-    out["layer_mean"] = float(np.mean(list(layer.values())))
-    for probe in ("curr", "next"):
-        out[f"probe_{probe}_acc"] = float(np.mean(
-            [metrics[f"{s}/L{layer[s]}/probe_{probe}_acc"] for s in seeds]))
-    return out
+    return {"layer": float(np.mean(list(layer.values()))),
+            "probe_next": float(np.mean([metrics[f"{s}/L{layer[s]}/probe_next_acc"]
+                                         for s in seeds]))}

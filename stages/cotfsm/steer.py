@@ -353,16 +353,15 @@ def log_method_runs(ctx: Any, frame: Any, cfg: Config) -> None:
 
 
 def headline(metrics: dict[str, float]) -> dict[str, float]:
-    """DVC metrics: accuracy and interventions per arm at the largest budget."""
-    budgets = sorted({int(k.split("/")[1][1:]) for k in metrics if "/B" in k and
-                      k.endswith("/acc_mean")})
+    """DVC metrics: accuracy per arm and interventions per problem of greedy and Q-value, at
+    the largest budget (every arm, budget and the nfe in details/steer_eval.json)."""
+    budgets = sorted({int(k.split("/")[1][1:]) for k in metrics if k.endswith("/acc_mean")})
     if not budgets:
         return {}
     b = budgets[-1]
-    out = {}
-    for arm in ARMS:
-        if f"{arm}/B{b}/acc_mean" in metrics:
-            out[f"{arm}_acc"] = metrics[f"{arm}/B{b}/acc_mean"]
-            if arm != "default":
-                out[f"{arm}_iv"] = metrics[f"{arm}/B{b}/interventions_mean"]
+    out = {f"acc_{arm}": metrics[f"{arm}/B{b}/acc_mean"] for arm in ARMS
+           if f"{arm}/B{b}/acc_mean" in metrics}
+    for arm in ("greedy", "qvalue"):
+        if f"{arm}/B{b}/interventions_mean" in metrics:
+            out[f"iv_{arm}"] = metrics[f"{arm}/B{b}/interventions_mean"]
     return out

@@ -74,4 +74,4 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
 
 def headline(metrics: dict[str, float]) -> dict[str, float]:
     losses = [v for k, v in metrics.items() if k.endswith("/train_loss")]
-    return {"train_loss_mean": sum(losses) / len(losses), "n_params": metrics["n_params"]}
+    return {"train_loss": sum(losses) / len(losses)} if losses else {}
