@@ -67,8 +67,11 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
             metrics["n_params"] = float(sum(p.numel() for p in model.parameters()))
     if ctx.tracker is not None:
         for seed in cfg.seeds:
+            # one artifact path per seed: a second version under the same path of this run
+            # would be taken for the first one
             ctx.tracker.register_model(ctx.path(cfg.out) / f"seed{seed}", cfg.register_as,
-                                       [f"seed{seed}"], tags={"seed": str(seed)})
+                                       [f"seed{seed}"], tags={"paperline.seed": str(seed)},
+                                       artifact_path=f"model-seed{seed}")
     return metrics
 
 

@@ -80,5 +80,7 @@ def test_arms_side_by_side_in_mlflow_and_registered_models(cotfsm_repo: Path):
         (a, s) for a in ARMS for s in ("0", "1"))
     common = {f"B{b}/{k}" for b in (48, 96) for k in ("acc", "interventions", "nfe")}
     assert all(set(r.data.metrics) == common for r in arms)
-    version = client.get_model_version_by_alias("cotfsm-lm", "seed1")
-    assert version.tags["seed"] == "1"
+    for seed in ("0", "1"):                                     # a version per training seed
+        version = client.get_model_version_by_alias("cotfsm-lm", f"seed{seed}")
+        assert version.tags["paperline.seed"] == seed
+        assert version.source.endswith(f"model-seed{seed}")
