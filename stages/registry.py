@@ -167,6 +167,15 @@ STAGES: dict[str, dict[str, str]] = {
         "search": "stages.refine_prover.search",
         "compare": "stages.refine_prover.compare",
     },
+    # CoT-FSM: a task family of state-templated CoTs, a tiny model trained on them, the offline
+    # FSM fit (R, Q, probes, steering vectors per layer) and four steering arms on an nfe grid.
+    "cotfsm": {
+        "traces": "stages.cotfsm.traces",
+        "train": "stages.cotfsm.train",
+        "fit_fsm": "stages.cotfsm.fit",
+        "steer_eval": "stages.cotfsm.steer",
+        "compare": "stages.cotfsm.compare",
+    },
 }
 
 # How each pipeline's README results table is rendered from its DVC metrics ("module:function"
@@ -185,6 +194,7 @@ REPORTS: dict[str, str] = {
     "maps": "stages.maps.compare:results_table",
     "ddr": "stages.ddr.compare:results_table",
     "refine_prover": "stages.refine_prover.compare:results_table",
+    "cotfsm": "stages.cotfsm.compare:results_table",
 }
 
 # The root README's pipeline table (`paperline report` renders it with the measured `cpu` wall
@@ -226,4 +236,7 @@ PAPERS: dict[str, dict[str, str]] = {
     "ampd": {"paper": "AMPD, arXiv 2602.14516",
              "compares": "local vs remote (incremental) prefill routing, reordering and a replica "
                          "ILP vs Dynamo-like, always-local and colocated serving (simulated)"},
+    "cotfsm": {"paper": "CoT-FSM, arXiv 2510.22437",
+               "compares": "Q-value activation steering at sentence ends vs greedy, weighted and "
+                           "no steering of a tiny model's state-templated CoTs, on an nfe grid"},
 }

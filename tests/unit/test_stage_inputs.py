@@ -87,6 +87,9 @@ INPUTS: dict[str, Callable[[], FrameSpec]] = {
     "maps/lengths (workload)": _attr("stages.maps.workload", "samples_spec"),
     "ddr/checklist (expert, explore, score)": _attr("stages.ddr.databases", "checklist_spec"),
     "ddr/insights (score)": _attr("stages.ddr.explore", "insight_spec"),
+    "cotfsm/lm_train (train)": _attr("stages.cotfsm.traces", "trace_spec", "lm_train"),
+    "cotfsm/problems (fit_fsm, steer_eval)": _attr("stages.cotfsm.traces", "trace_spec", "test"),
+    "cotfsm/results (compare)": _attr("stages.cotfsm.compare", "results_spec"),
     "agents/episodes (agents.trajectories.read_rollouts)": _attr(
         "stages.agents.trajectories", "episode_expectations"),
     "agents/steps (agents.trajectories.read_rollouts)": _attr(
@@ -220,7 +223,8 @@ def test_every_reading_module_is_covered():
                "stages/ampd/compare.py", "stages/maps/compare.py", "stages/maps/simulate.py",
                "stages/maps/workload.py", "stages/agents/trajectories.py",
                "stages/ddr/expert.py", "stages/ddr/explore.py", "stages/ddr/score.py",
-               "stages/refine_prover/train.py", "stages/refine_prover/compare.py"} | set(INLINE)
+               "stages/refine_prover/train.py", "stages/refine_prover/compare.py",
+               "stages/cotfsm/traces.py", "stages/cotfsm/compare.py"} | set(INLINE)
     readers = set()
     for path in (REPO / "stages").rglob("*.py"):
         tree = ast.parse(path.read_text())
