@@ -114,9 +114,12 @@ def build_tokenizer(kind: str, texts: Sequence[str]) -> Any:
 
     `word`: one token per whitespace-separated word of `texts` (the shapes world: a caption of
     four objects is 15 tokens, not 60 characters); `char`: the project's character tokenizer
-    (stages/models/tokenizer.py) over `texts` plus printable ASCII (rendered text). Both add the
+    (stages/models/tokenizer.py) over `texts` plus printable ASCII; `pair`: one token per two
+    characters, counted from the start of each piece (every pair of the characters in `texts`,
+    and each single one), so a rendered page's visual token (two glyph cells) and the text
+    token of the same two characters correspond one to one (rendered text). All add the
     special tokens `<image>` and `<sink>`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     from stages.models.tokenizer import BOS, EOS, PAD, SPECIALS, UNK
@@ -125,20 +128,29 @@ def build_tokenizer(kind: str, texts: Sequence[str]) -> Any:
     if kind == "char":
         chars = set("".join(texts)) | (set(string.printable) - set("\t\r\x0b\x0c"))
         tok = build_char_tokenizer(chars)
-    elif kind == "word":
+    elif kind in ("word", "pair"):
         vocab = {t: i for i, t in enumerate(SPECIALS)}
-        for word in sorted({w for t in texts for w in t.split()}):
-            vocab.setdefault(word, len(vocab))
+        if kind == "word":
+            pieces = sorted({w for t in texts for w in t.split()})
+        else:
+            chars = sorted(set("".join(texts)) - {"\n"})
+            pieces = chars + [a + b for a in chars for b in chars]
+        for piece in pieces:
+            vocab.setdefault(piece, len(vocab))
         core = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
-        core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-        core.decoder = decoders.WordPiece(prefix="##", cleanup=False)   # joins words with spaces
+        if kind == "word":
+            core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+            core.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # words, spaced
+        else:
+            core.pre_tokenizer = pre_tokenizers.Split(Regex(".{1,2}"), behavior="isolated")
+            core.decoder = decoders.Fuse()
         core.post_processor = processors.TemplateProcessing(
             single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])])
         tok = PreTrainedTokenizerFast(
             tokenizer_object=core, pad_token=PAD, bos_token=BOS, eos_token=EOS, unk_token=UNK,
             padding_side="left", clean_up_tokenization_spaces=False, model_max_length=4096)
     else:
-        raise ValueError(f"tokenizer kind {kind!r}: expected 'word' or 'char'")
+        raise ValueError(f"tokenizer kind {kind!r}: expected 'word', 'char' or 'pair'")
     tok.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN, SINK_TOKEN]})
     return tok
 
@@ -279,15 +291,34 @@ def text_prompt(layout: Layout, content: str, query: str) -> str:
     return f"{layout.text_system}{content}{layout.sep}{query}{layout.tail}"
 
 
-def encode_image_prompt(layout: Layout, tokenizer: Any, query: str) -> list[int]:
-    """Token ids of `image_prompt` with `<image>` expanded to its patch tokens (what the
-    processor produces; tests check the two agree)."""
-    text = image_prompt(layout, query).replace(IMAGE_TOKEN, IMAGE_TOKEN * layout.image_tokens)
-    return tokenizer(text)["input_ids"]
-
-
 def _piece_ids(tokenizer: Any, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+
+
+def _bos(tokenizer: Any) -> list[int]:
+    return [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+
+
+def encode_image_prompt(layout: Layout, tokenizer: Any, query: str) -> list[int]:
+    """Token ids of `image_prompt`, `<image>` expanded to its patch tokens, each piece
+    (system, separator, query, tail) tokenized on its own, so a piece's tokens never depend on
+    its neighbours (for the word and character tokenizers this is what the processor gives on
+    the whole string; tests check it)."""
+    ids = _bos(tokenizer) + _piece_ids(tokenizer, layout.system)
+    ids += [tokenizer.convert_tokens_to_ids(SINK_TOKEN)] * layout.sink_tokens
+    ids += [tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)] * layout.image_tokens
+    for piece in (layout.sep, query, layout.tail):
+        ids += _piece_ids(tokenizer, piece)
+    return ids
+
+
+def encode_text_prompt(layout: Layout, tokenizer: Any, content: str, query: str) -> list[int]:
+    """Token ids of `text_prompt`, piece by piece as `encode_image_prompt`: the content's
+    tokens are those of its transcription."""
+    ids = _bos(tokenizer)
+    for piece in (layout.text_system, content, layout.sep, query, layout.tail):
+        ids += _piece_ids(tokenizer, piece)
+    return ids
 
 
 def prompt_spans(input_ids: Sequence[int], tokenizer: Any, layout: Layout,

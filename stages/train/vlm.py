@@ -44,6 +44,9 @@ class Config(BaseModel):
     data: str = Field("vlm_data", description="path key of the data stage's folder")
     out: str = Field(description="path key of the output folder (one seed<k>/ per seed)")
     register_as: str | None = Field(None, description="MLflow registered model name")
+    tokenizer: Literal["word", "char", "pair"] = Field(
+        "word", description="init=scratch: word (shapes), char or pair (rendered text: one "
+                            "token per two characters, as one visual token)")
     init: Literal["scratch", "pretrained"] = Field(
         "scratch", description="scratch: a new tiny VLM (spec, layout); pretrained: fine-tune "
                                "the local HF VLM folder at `pretrained_path` (gpu profile)")
@@ -65,6 +68,10 @@ class Config(BaseModel):
     aux_weight: float = Field(1.0, ge=0, le=100,
                               description="weight of the auxiliary patch loss (0: off; see "
                                           "module docstring); training only, not saved")
+    aux_lm_head: bool = Field(False, description="score the patch targets with the decoder's "
+                                                 "own output layer (one slot only): a visual "
+                                                 "token then already points at the token its "
+                                                 "patch shows")
     text_cell: tuple[int, int] = Field((4, 8), description="rendered_text: glyph cell (w, h) "
                                                            "in pixels, for the patch targets")
     # Optimisation (as stages/models/base.py).
@@ -163,8 +170,8 @@ def build_examples(cfg: Config, family: str, df: Any, qa: Any, tokenizer: Any
     else:
         for i, (content, q, t) in enumerate(zip(df["content"], df["query"], df["target"])):
             rows += [example(i, image_prompt(OCR_QUERY), content)] * cfg.ocr_repeats
-            text = vlm_model.text_prompt(layout, content, q)
-            rows += [example(-1, tokenizer(text)["input_ids"], t)] * cfg.text_qa_repeats
+            text = vlm_model.encode_text_prompt(layout, tokenizer, content, q)
+            rows += [example(-1, text, t)] * cfg.text_qa_repeats
     too_long = max(len(r["input_ids"]) for r in rows)
     if too_long > cfg.spec.max_positions:
         raise ValueError(f"spec.max_positions = {cfg.spec.max_positions} but an example has "
@@ -217,8 +224,8 @@ def patch_targets(family: str, df: Any, tokenizer: Any, spec: vlm_model.Spec,
     """(images, patch tokens, slots) token ids each visual token should name.
 
     shapes: 2 slots, the colour and the shape word of the object covering at least a quarter of
-    the patch (<pad> for background); rendered_text: one slot per glyph cell of the patch, the
-    character there (a space where the cell is empty)."""
+    the patch (<pad> for background); rendered_text: the tokens of the characters in the patch's
+    glyph cells, row by row (pair tokenizer with 2 cells per patch: one slot)."""
     import torch
 
     p, side = spec.patch_size, spec.image_size // spec.patch_size
@@ -238,25 +245,39 @@ def patch_targets(family: str, df: Any, tokenizer: Any, spec: vlm_model.Spec,
         return out
     cw, ch = text_cell
     per_row, per_col = p // ch, p // cw            # glyph lines / columns inside one patch
-    space = ids(" ")
-    out = torch.full((len(df), side * side, per_row * per_col), space, dtype=torch.long)
-    for i, content in enumerate(df["content"]):
-        for line_no, line in enumerate(content.split("\n")):
-            for col, char in enumerate(line):
-                t = (line_no // per_row) * side + col // per_col
-                slot = (line_no % per_row) * per_col + col % per_col
-                out[i, t, slot] = ids(char)
+    cols = spec.image_size // cw                   # characters per page line
+    rows = []
+    for content in df["content"]:
+        page = content.ljust(cols * (spec.image_size // ch))
+        chunks = []
+        for t in range(side * side):
+            r, c = divmod(t, side)
+            chunks.append("".join(page[(r * per_row + a) * cols + c * per_col:
+                                       (r * per_row + a) * cols + (c + 1) * per_col]
+                                  for a in range(per_row)))
+        # what the patch shows, in the model's own tokens (pair: one token; char: one each)
+        rows.append([tokenizer(chunk, add_special_tokens=False)["input_ids"] for chunk in chunks])
+    slots = max(len(ids) for r in rows for ids in r)
+    out = torch.full((len(df), side * side, slots), -100, dtype=torch.long)
+    for i, r in enumerate(rows):
+        for t, ids in enumerate(r):
+            out[i, t, :len(ids)] = torch.tensor(ids)
     return out
 
 
-def attach_aux_head(model: Any, slots: int, vocab: int) -> dict[str, Any]:
-    """Add `model.aux_head` (hidden -> slots x vocab) and a hook that keeps the projector's
-    output of the current forward; returns the dict the hook writes to."""
+def attach_aux_head(model: Any, slots: int, vocab: int, lm_head: bool = False
+                    ) -> dict[str, Any]:
+    """Add `model.aux_head` (hidden -> slots x vocab; with `lm_head`, the model's own output
+    layer) and a hook that keeps the projector's output of the current forward; returns the
+    dict the hook writes to."""
     import torch
 
     hidden = model.config.get_text_config().hidden_size
-    model.aux_head = torch.nn.Linear(hidden, slots * vocab)
-    seen: dict[str, Any] = {}
+    seen: dict[str, Any] = {"shared": lm_head}
+    if lm_head:
+        model.aux_head = model.get_output_embeddings()
+    else:
+        model.aux_head = torch.nn.Linear(hidden, slots * vocab)
 
     def keep(module: Any, args: Any, output: Any) -> None:
         seen["features"] = output
@@ -267,7 +288,7 @@ def attach_aux_head(model: Any, slots: int, vocab: int) -> dict[str, Any]:
 
 def detach_aux_head(model: Any, seen: dict[str, Any]) -> None:
     seen["hook"].remove()
-    del model.aux_head
+    del model.aux_head          # with lm_head: only the second name goes, the layer stays
 
 
 # --- training -------------------------------------------------------------------------------
@@ -295,7 +316,10 @@ def train_one(cfg: Config, vlm: vlm_model.VLM, examples: list[dict[str, Any]], i
     model.train()
     aux = None
     if targets is not None and cfg.aux_weight > 0:
-        aux = attach_aux_head(model, targets.shape[-1], len(tokenizer))
+        if cfg.aux_lm_head and targets.shape[-1] != 1:
+            raise ValueError(f"aux_lm_head needs one patch target per visual token, got "
+                             f"{targets.shape[-1]} (use the pair tokenizer)")
+        aux = attach_aux_head(model, targets.shape[-1], len(tokenizer), cfg.aux_lm_head)
     aux_losses: list[float] = []
 
     class VLMTrainer(Trainer):
@@ -364,7 +388,7 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
         df, images = df.head(cfg.max_train_rows), images[:cfg.max_train_rows]
     tokenizer = None
     if cfg.init == "scratch":
-        tokenizer = vlm_model.build_tokenizer("word" if cfg.family == "shapes" else "char",
+        tokenizer = vlm_model.build_tokenizer(cfg.tokenizer,
                                               tokenizer_texts(cfg.family, df, qa, cfg.layout))
     out = ctx.path(cfg.out)
     metrics: dict[str, float] = {"train_images": float(len(df))}

@@ -193,12 +193,19 @@ def test_patch_targets_hand_computed(world):
     named = {i for i in range(64) if t[0, i, 0] != tok.pad_token_id}
     assert named == {9, 10, 17, 18}           # the 2x2 patches around pixel (16, 16)
     assert tok.convert_ids_to_tokens(t[0, 9].tolist()) == ["red", "circle"]
-    ctok = vm.build_tokenizer("char", ["ab\ncd"])
-    t = tv.patch_targets("rendered_text", pl.DataFrame({"content": ["ab\ncd"]}), ctok,
-                         vm.Spec(patch_size=16), (4, 8))
-    assert t.shape == (1, 16, 8)              # 16x16 patches: 2 lines x 4 glyph cells
-    assert ctok.convert_ids_to_tokens(t[0, 0].tolist()) == list("ab  cd  ")
-    assert set(ctok.convert_ids_to_tokens(t[0, 1:].flatten().tolist())) == {" "}
+    # a 32x32 page, 8x8 patches over 4x8 cells: each visual token shows two characters,
+    # one pair token; the page's 9th character starts line 2 (visual token 4)
+    ptok = vm.build_tokenizer("pair", ["ab=17 cd=4", " "])
+    page = pl.DataFrame({"content": ["ab=17 cd=4"]})
+    t = tv.patch_targets("rendered_text", page, ptok, vm.Spec(image_size=32), (4, 8))
+    assert t.shape == (1, 16, 1)
+    assert ptok.convert_ids_to_tokens(t[0, :6, 0].tolist()) == ["ab", "=1", "7 ", "cd",
+                                                                "=4", "  "]
+    # the same characters as text: token j of the transcription is visual token j's target
+    assert ptok("ab=17 cd=4", add_special_tokens=False)["input_ids"] == t[0, :5, 0].tolist()
+    ctok = vm.build_tokenizer("char", ["ab=17 cd=4"])
+    t = tv.patch_targets("rendered_text", page, ctok, vm.Spec(image_size=32), (4, 8))
+    assert t.shape == (1, 16, 2) and ctok.convert_ids_to_tokens(t[0, 1].tolist()) == ["=", "1"]
 
 
 def test_training_steps_move_the_model_but_not_the_sinks(world):
@@ -222,18 +229,23 @@ def test_training_steps_move_the_model_but_not_the_sinks(world):
 
 
 def test_rendered_text_examples_are_ocr_and_text_answers():
-    cfg = tv.Config(family="rendered_text", out="x", spec=vm.Spec(patch_size=16, **SPEC),
+    cfg = tv.Config(family="rendered_text", out="x", tokenizer="pair",
+                    spec=vm.Spec(image_size=32, **SPEC),
                     layout=vm.Layout(sink_tokens=0, image_tokens=16))
     rows = rt.generate(rt.Config(), 3, seed=0)
     df = pl.DataFrame(rows, schema=rt.SCHEMA)
-    tok = vm.build_tokenizer("char", tv.tokenizer_texts("rendered_text", df, None, cfg.layout))
+    tok = vm.build_tokenizer("pair", tv.tokenizer_texts("rendered_text", df, None, cfg.layout))
     ex = tv.build_examples(cfg, "rendered_text", df, None, tok)
     assert [e["img"] for e in ex] == [0, -1, 1, -1, 2, -1]
-    ocr = tok.decode([t for t in ex[0]["labels"] if t != -100], skip_special_tokens=True)
-    assert ocr == rows[0]["content"]
-    qa_prompt = tok.decode(ex[1]["input_ids"][:ex[1]["labels"].index(
-        next(t for t in ex[1]["labels"] if t != -100))], skip_special_tokens=True)
-    assert qa_prompt == vm.text_prompt(cfg.layout, rows[0]["content"], rows[0]["query"])
+    ocr = [t for t in ex[0]["labels"] if t != -100]
+    assert tok.decode(ocr, skip_special_tokens=True) == rows[0]["content"]
+    assert len(ocr) == 16 + 1                 # 32 characters = 16 pair tokens (+ <eos>)
+    first = next(i for i, t in enumerate(ex[1]["labels"]) if t != -100)
+    assert tok.decode(ex[1]["input_ids"][:first], skip_special_tokens=True) == vm.text_prompt(
+        cfg.layout, rows[0]["content"], rows[0]["query"])
+    # the content's tokens are the same in the text prompt and in the transcription
+    assert ocr[:-1] == ex[1]["input_ids"][1 + len(tok("text :", add_special_tokens=False)[
+        "input_ids"]):][:16]
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -247,22 +247,22 @@ def test_malformed_images_are_named():
 # --- rendered text ----------------------------------------------------------------------------
 
 def test_glyphs_sit_in_their_cells():
-    cfg = rt.Config()
-    img = rt.render(cfg, "8 1\n=")
-    assert img.shape == (64, 64) and img.dtype == np.uint8
+    cfg = rt.Config()                                    # 8 columns x 4 lines of 4x8 cells
+    img = rt.render(cfg, "8 1=abcd9")
+    assert img.shape == (32, 32) and img.dtype == np.uint8
     cell = lambda r, c: img[r * 8:(r + 1) * 8, c * 4:(c + 1) * 4]   # noqa: E731
     assert cell(0, 0).min() < 128                    # ink of "8"
     assert cell(0, 1).min() == 255                   # the space: blank
-    assert cell(0, 2).min() < 128                    # "1"
-    assert cell(1, 0).min() < 200                    # "="
-    assert img[16:, :].min() == 255 and img[:, 16:].min() == 255   # nothing beyond the text
+    assert cell(0, 2).min() < 128 and cell(0, 3).min() < 200       # "1", "="
+    assert cell(1, 0).min() < 128                    # the 9th character wraps to line 2
+    assert cell(1, 1).min() == 255 and img[16:, :].min() == 255    # nothing after it
     with pytest.raises(ValueError, match="does not fit"):
-        rt.render(cfg, "x" * 17)
-    with pytest.raises(ValueError, match="does not fit"):
-        rt.render(cfg, "\n".join("a" * 9))
+        rt.render(cfg, "x" * 33)
+    with pytest.raises(ValueError, match="newline"):
+        rt.render(cfg, "ab\ncd")
 
 
-def test_rows_verify_fit_and_reach_the_compression_ratio():
+def test_pages_are_full_verify_and_reach_the_compression_ratio():
     cfg = rt.Config()
     splits = rt.generate_splits(cfg, {"test": 12, "val": 6, "train": 30}, seed=0)
     contents = {s: {r["content"] for r in rows} for s, rows in splits.items()}
@@ -271,9 +271,9 @@ def test_rows_verify_fit_and_reach_the_compression_ratio():
         assert {r["kind"] for r in rows} == set(rt.KINDS)
         for r in rows:
             assert rt.verify_answer(r, r["target"]) and rt.ocr_exact(r, r["content"])
-            assert r["visual_tokens"] == 16 and r["chars_per_token"] >= 2.0
-            assert r["chars_per_token"] == len(r["content"]) / 16
-            pixels = decode_image(r["image"], size=(64, 64), mode="L", where="t")
+            assert r["n_chars"] == 32 and r["visual_tokens"] == 16
+            assert r["chars_per_token"] == 2.0       # two glyph cells per 8x8 patch
+            pixels = decode_image(r["image"], size=(32, 32), mode="L", where="t")
             assert np.array_equal(pixels, rt.render(cfg, r["content"]))
     validate_frame(pl.DataFrame(splits["train"], schema=rt.SCHEMA),
                    rt.expectations(cfg, "train"), "train")
@@ -292,20 +292,26 @@ def test_answers_are_exact_hand_made():
     assert rt.char_accuracy("ab=17", "ab=18") == 0.8
 
 
-def test_kinds_are_what_they_say():
+def test_the_asked_item_is_whole_on_the_page():
     cfg = rt.Config()
     rng = random.Random(0)
-    arith = rt.make_arith(cfg, rng)
-    label = arith["query"].split()[1]
-    line = next(x for x in arith["lines"] if x.startswith(f"{label}:"))
     from stages.tasks.arith import format_target, parse_question
-    ops = parse_question(line.split(":")[1])
-    assert arith["target"] == format_target(*ops).strip()
-    table = rt.make_table(cfg, rng)
-    r, c = table["query"].split()[1:]
-    header = table["lines"][0][2:].split(",")
-    row = next(x for x in table["lines"][1:] if x.startswith(f"{r}:"))
-    assert row[2:].split(",")[header.index(c)] == table["answer"]
+    for _ in range(20):
+        page = rt.make_page(cfg, "arith", rng)
+        label = page["query"].split()[1]
+        item = next(x for x in page["content"].split(" ") if x.startswith(f"{label}:"))
+        whole = [x for x in page["content"].split(" ")[:-1]]      # the last may be cut
+        assert item in whole
+        assert page["target"] == format_target(*parse_question(item.split(":")[1])).strip()
+        table = rt.make_page(cfg, "table", rng)
+        r, c = table["query"].split()[1:]
+        items = table["content"].split(" ")
+        header = items[0][2:].split(",")
+        row = next(x for x in items[:-1] if x.startswith(f"{r}:"))
+        assert row[2:].split(",")[header.index(c)] == table["answer"]
+        kv = rt.make_page(cfg, "kv", rng)
+        key = kv["query"].split()[1]
+        assert f"{key}={kv['answer']}" in kv["content"].split(" ")[:-1]
 
 
 def test_missing_font_fails_before_rendering(tmp_path):
@@ -316,16 +322,11 @@ def test_missing_font_fails_before_rendering(tmp_path):
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"patch_size": 24}, "not a multiple of patch_size"),
+    ({"cols": 16}, "not square"),
     ({"kinds": ["kv", "poem"]}, "kinds"),
-    ({"kv_pairs": (5, 2)}, "kv_pairs"),
-    ({"rows": 2}, "fewer lines"),
+    ({"arith_operands": (3, 2)}, "arith_operands"),
+    ({"min_chars_per_token": 3.0}, "2.00 per token < min_chars_per_token 3.0"),
 ])
 def test_bad_text_params_are_named(kwargs, message):
     with pytest.raises(ValidationError, match=message):
         rt.Config(**kwargs)
-
-
-def test_unreachable_ratio_is_a_clear_error():
-    cfg = rt.Config(min_chars_per_token=7.0)
-    with pytest.raises(ValueError, match="min_chars_per_token"):
-        rt.generate(cfg, 5, seed=0)
