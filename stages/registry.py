@@ -12,6 +12,10 @@ from __future__ import annotations
 # `vlm`: the image task families and the tiny vision-language models).
 SHARED: frozenset[str] = frozenset({"base", "serving", "vlm"})
 
+# A paper's package where it is not `stages/<slug>/` (the import rule checks it as that paper's):
+# the CoRe paper's slug `core` would clash with `stages/core`, the stage contract.
+PACKAGES: dict[str, str] = {"core": "core_align"}
+
 STAGES: dict[str, dict[str, str]] = {
     # Shared stages of the root dvc.yaml; together they are the pipeline named "base".
     "base": {

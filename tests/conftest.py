@@ -44,16 +44,25 @@ def _git(cwd: Path, *args: str) -> None:
 
 
 def copy_repo(dest: Path, profile: str = "smoke") -> Path:
-    """A fresh, committed copy of the project's sources (no outputs, no caches) at `profile`."""
-    def ignore(dirpath: str, names: list[str]) -> set[str]:
-        at_root = Path(dirpath).resolve() == REPO
-        return {n for n in names
-                if n in {"__pycache__", ".pytest_cache"} or n.endswith(".egg-info")
-                or (at_root and n in _SKIP)}
-
-    shutil.copytree(REPO, dest, ignore=ignore, symlinks=True)
+    """A fresh, committed copy of the project's sources (no outputs, no caches) at `profile`:
+    the files git tracks or would track (`git ls-files -co --exclude-standard`), as a clean
+    clone has them. A work tree's DVC outputs (a cpu run's `data/`, a measured profile) are
+    gitignored and stay out, so a test sees what CI sees."""
+    listed = subprocess.run(["git", "ls-files", "-z", "-co", "--exclude-standard"], cwd=REPO,
+                            capture_output=True, check=True).stdout.decode().split("\0")
+    for rel in filter(None, listed):
+        parts = Path(rel).parts
+        if parts[0] in _SKIP or "__pycache__" in parts:
+            continue
+        src, out = REPO / rel, dest / rel
+        if not (src.exists() or src.is_symlink()):
+            continue  # deleted in the work tree, not yet committed
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if src.is_symlink():
+            out.symlink_to(src.readlink())
+        else:
+            shutil.copy2(src, out)
     (dest / ".dvc" / "cache").mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(dest / ".dvc" / "tmp", ignore_errors=True)
     set_params(dest, profile=profile)
     subprocess.run(["git", "init", "-q"], cwd=dest, check=True)
     _git(dest, "add", "-A")

@@ -15,11 +15,12 @@ the objective used, the brute-force plan and whether both agree.
 
 from __future__ import annotations
 
-import json
 import time
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from stages.ampd.workload import GRID_KEYS
+from stages.core.checks import read_json_checked
 from stages.core import io
 from stages.core.context import Context
 from stages.serving.latency import load_profile
@@ -27,6 +28,15 @@ from stages.serving.latency import load_profile
 from .arms import SLO, ClusterParams, WorkloadShape, strategies
 from .plan import TOL, PlanConfig, brute_force_plan, solve_plan
 
+
+
+# Durations returned here are results (simulated or the measurement this stage exists to make),
+# not this machine's wall time: only `*seconds`/`wall_*` keys are kept out of DVC
+# (stages/core/io.py `is_timing_key`).
+TIMES_ARE_RESULTS = True
+
+# What simulate and compare read from plan.json (checked at their boundary).
+PLAN_KEYS = {"prefill": dict, "decode": dict, "gpus": (int, float), "gpus_per_replica": dict}
 
 class Config(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -46,7 +56,7 @@ class Config(BaseModel):
 
 def run(cfg: Config, ctx: Context) -> dict[str, float]:
     wdir = ctx.path("ampd_workload")
-    grid = json.loads((wdir / "grid.json").read_text())
+    grid = read_json_checked(wdir / "grid.json", GRID_KEYS)
     shape = WorkloadShape(**grid["shape"])
     slo = SLO(grid["slo"]["ttft_s"], grid["slo"]["itl_s"])
     tp = {name: (t["gpus"], load_profile(wdir / "profiles" / f"{name}.json"))
@@ -90,7 +100,7 @@ def run(cfg: Config, ctx: Context) -> dict[str, float]:
            "ilp_prefill": plan.prefill, "ilp_decode": plan.decode,
            "goodput": plan.goodput, "max_norm_latency": plan.max_norm_latency,
            "gpus_per_replica": {s.name: s.gpus for s in strats},
-           "strategies": [s.model_dump() for s in strats], "ilp_seconds": ilp_s,
+           "strategies": [s.model_dump() for s in strats],
            "brute_force": None if oracle is None else {"prefill": oracle.prefill,
                                                        "decode": oracle.decode,
                                                        "objective": oracle.objective},
@@ -106,3 +116,8 @@ def run(cfg: Config, ctx: Context) -> dict[str, float]:
             "goodput_sessions_per_s": plan.goodput, "design_rate": rate,
             "max_norm_latency": plan.max_norm_latency, "ilp_seconds": ilp_s,
             "brute_force_match": float(match) if oracle is not None else -1.0}
+
+
+def headline(metrics: dict[str, float]) -> dict[str, float]:
+    """DVC metrics: GPUs of the ILP plan and whether brute force found the same optimum."""
+    return {k: metrics[k] for k in ("gpus", "brute_force_match") if k in metrics}

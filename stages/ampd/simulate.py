@@ -16,7 +16,6 @@ cluster, stall seconds, KV transfers, the routing rule counts, wall seconds) and
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -24,6 +23,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from stages.ampd.planner import PLAN_KEYS
+from stages.ampd.workload import GRID_KEYS
+from stages.core.checks import read_json_checked
 from stages.core import io
 from stages.core.context import Context
 from stages.serving.latency import load_profile
@@ -36,6 +38,28 @@ ROUND_COLUMNS = ("session", "round", "ttft_s", "itl_p90_s", "itl_max_s", "e2e_s"
                  "prefill_instance", "decode_instance", "overtaken", "input_tokens",
                  "output_tokens", "cached_tokens")
 
+
+
+# Durations returned here are results (simulated or the measurement this stage exists to make),
+# not this machine's wall time: only `*seconds`/`wall_*` keys are kept out of DVC
+# (stages/core/io.py `is_timing_key`).
+TIMES_ARE_RESULTS = True
+
+
+def runs_spec():
+    """What compare relies on in runs.parquet (one row per arm, seed and load)."""
+    import polars as pl
+
+    from stages.core.checks import ColumnSpec, FrameSpec
+
+    share = {c: ColumnSpec(dtype=pl.Float64, min=0.0, max=1.0)
+             for c in ("attainment", "round_attainment", "itl_attainment", "ttft_attainment",
+                       "local_fraction", "local_fraction_history")}
+    return FrameSpec(columns={"arm": ColumnSpec(dtype=pl.String),
+                              "seed": ColumnSpec(dtype=pl.Float64, min=0),
+                              "load_index": ColumnSpec(dtype=pl.Float64, min=0),
+                              "load": ColumnSpec(dtype=pl.Float64, min=0.0),
+                              "rate": ColumnSpec(dtype=pl.Float64, min=0.0), **share})
 
 class Config(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -91,14 +115,14 @@ def run(cfg: Config, ctx: Context) -> dict[str, float]:
     import polars as pl
 
     wdir = ctx.path("ampd_workload")
-    grid = json.loads((wdir / "grid.json").read_text())
+    grid = read_json_checked(wdir / "grid.json", GRID_KEYS)
     # the checked loader on every trace first: a malformed file stops the stage before compute
     traces = {key: wdir / "traces" / name for key, name in grid["traces"].items()}
     for path in traces.values():
         read_trace(path)
     plan = None
     if "planned" in cfg.arms:
-        plan = json.loads((ctx.path("ampd_plan") / "plan.json").read_text())
+        plan = read_json_checked(ctx.path("ampd_plan") / "plan.json", PLAN_KEYS)
     default = {"default": str(wdir / "profiles" / "default.json")}
     tp = {name: str(wdir / "profiles" / f"{name}.json") for name in grid["tp_profiles"]}
     policy = dict(alpha=cfg.alpha, beta=cfg.beta, lookahead=cfg.lookahead,
@@ -128,6 +152,10 @@ def run(cfg: Config, ctx: Context) -> dict[str, float]:
                                f"overtaken {r['max_overtaken']:.0f} times > w - 1 = "
                                f"{cfg.lookahead - 1}")
     runs = pl.DataFrame(rows, infer_schema_length=None).fill_null(0.0)
+    # each run's wall time goes to MLflow (the stage's metrics), not into runs.parquet: the same
+    # inputs must give the same bytes
+    max_run_wall = float(runs["wall_s"].max())
+    runs = runs.drop("wall_s")
     rounds = pl.concat([pl.DataFrame(rd) for _, rd in results], how="vertical")
     out = ctx.path("ampd_sim")
     with io.atomic_path(out, is_dir=True) as tmp:
@@ -136,6 +164,11 @@ def run(cfg: Config, ctx: Context) -> dict[str, float]:
     n_rounds = float(runs["rounds"].sum())
     return {"runs": float(len(rows)), "rounds": n_rounds, "wall_s": wall,
             "rounds_per_wall_s": n_rounds / wall if wall > 0 else 0.0,
-            "max_run_wall_s": float(runs["wall_s"].max()),
+            "max_run_wall_s": max_run_wall,
             "max_overtaken": float(runs.filter(pl.col("arm").is_in(["reorder", "planned"]))
                                    ["max_overtaken"].max() or 0.0)}
+
+
+def headline(metrics: dict[str, float]) -> dict[str, float]:
+    """DVC metrics: simulated runs and rounds."""
+    return {k: metrics[k] for k in ("runs", "rounds") if k in metrics}

@@ -56,6 +56,16 @@ class TPProfile(BaseModel):
         return _known_profile(v)
 
 
+
+# Durations returned here are results (simulated or the measurement this stage exists to make),
+# not this machine's wall time: only `*seconds`/`wall_*` keys are kept out of DVC
+# (stages/core/io.py `is_timing_key`).
+TIMES_ARE_RESULTS = True
+
+# What planner, simulate and compare read from grid.json (checked at their boundary).
+GRID_KEYS = {"seeds": list, "loads": list, "rates": list, "slo": dict, "capacity": dict,
+             "shape": dict, "tp_profiles": dict, "traces": dict}
+
 class Config(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -174,3 +184,8 @@ def run(cfg: Config, ctx: Context) -> dict[str, float]:
             "slo_ttft_s": slo.ttft_s, "slo_itl_s": slo.itl_s, "traces": len(rates) * len(cfg.seeds),
             "rounds": rounds, "prefill_tokens_per_session": shape.prefill_tokens,
             "decode_tokens_per_session": shape.decode_tokens}
+
+
+def headline(metrics: dict[str, float]) -> dict[str, float]:
+    """DVC metrics: the cluster's capacity (sessions/s) the rate grid is scaled on, and rounds."""
+    return {k: metrics[k] for k in ("capacity_sessions_per_s", "rounds") if k in metrics}

@@ -20,7 +20,6 @@ per arm and step, for `dvc plots`) and the flat metrics for DVC and the README t
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any, Literal, Sequence
@@ -28,6 +27,7 @@ from typing import Any, Literal, Sequence
 import polars as pl
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from stages.core.checks import read_json_checked
 from stages.core import io, stats
 
 METRICS = {"f1": "test step F1", "best_of_n": "best-of-N accuracy"}
@@ -180,14 +180,14 @@ def input_spec(table: Literal["evaluation", "curves"]) -> Any:
 
 
 def run(cfg: Config, ctx: Any) -> dict[str, float]:
-    arms = json.loads((ctx.path(cfg.subsets) / "arms.json").read_text())
+    arms = read_json_checked(ctx.path(cfg.subsets) / "arms.json", kind=list)
     from stages.core.checks import read_parquet_checked
 
     evaluation = read_parquet_checked(ctx.path(cfg.evaluation) / "evaluation.parquet",
                                       input_spec("evaluation"))
     curves = read_parquet_checked(ctx.path(cfg.prms) / "curves.parquet", input_spec("curves"))
     m = summarize(arms, evaluation, curves, cfg.full_arm, cfg.claims)
-    refs = json.loads((ctx.path(cfg.evaluation) / "references.json").read_text())
+    refs = read_json_checked(ctx.path(cfg.evaluation) / "references.json")
     m |= {f"bon_{k}": float(v) for k, v in refs.items() if k in ("random", "majority", "oracle")}
     mean = mean_curves(curves)
     with io.atomic_path(ctx.path(cfg.report), is_dir=True) as tmp:

@@ -20,13 +20,13 @@ the first), `oracle` (pass@N: some solution is right).
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from typing import Any
 
 import polars as pl
 from pydantic import BaseModel, ConfigDict, Field
 
+from stages.core.checks import read_json_checked
 from stages.core import io
 from stages.train import prm
 
@@ -81,7 +81,7 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     if cfg.num_threads:
         set_threads(cfg.num_threads)
     registered = folder / "registered.json"   # <arm>/seed<k> -> registered model name
-    registered = json.loads(registered.read_text()) if registered.is_file() else {}
+    registered = read_json_checked(registered) if registered.is_file() else {}
     rows, metrics = [], {}
     for path in models:
         model, tokenizer = prm.load_prm(path)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import io as _io
+import json
 import logging
 import os
 import threading
@@ -327,12 +328,9 @@ def _check_balance(df: pl.DataFrame, spec: FrameSpec, name: str) -> None:
                 source=name, column=col, rule="balance")
 
 
-def read_parquet_checked(path: str | os.PathLike[str], spec: FrameSpec) -> pl.DataFrame:
-    """Read a parquet input and validate it against `spec`; every defect is a DataValidationError."""
-    import polars as pl
-
-    p = Path(path)
-    name = str(path)
+def _existing_file(path: str | os.PathLike[str]) -> tuple[Path, str]:
+    """(path, its name for messages), or a DataValidationError if it is not a regular file."""
+    p, name = Path(path), str(path)
     if not p.exists():
         raise DataValidationError(
             f"{name}: rule 'file exists' failed: no such file (run the stage that produces it, "
@@ -340,6 +338,14 @@ def read_parquet_checked(path: str | os.PathLike[str], spec: FrameSpec) -> pl.Da
     if not p.is_file():
         raise DataValidationError(f"{name}: rule 'file exists' failed: not a regular file",
                                   source=name, rule="file exists")
+    return p, name
+
+
+def read_parquet_checked(path: str | os.PathLike[str], spec: FrameSpec) -> pl.DataFrame:
+    """Read a parquet input and validate it against `spec`; every defect is a DataValidationError."""
+    import polars as pl
+
+    p, name = _existing_file(path)
     if p.stat().st_size == 0:
         raise DataValidationError(f"{name}: rule 'non-empty file' failed: the file is empty "
                                   f"(0 bytes), not parquet", source=name, rule="non-empty file")
@@ -356,3 +362,72 @@ def read_parquet_checked(path: str | os.PathLike[str], spec: FrameSpec) -> pl.Da
             f"({type(exc).__name__}: {first})", source=name, rule="readable parquet") from None
     validate_frame(df, spec, name)
     return df
+
+
+def read_json_checked(path: str | os.PathLike[str], required: Mapping[str, Any] | None = None,
+                      *, kind: type = dict) -> Any:
+    """Read a JSON input (a summary, a budget, a manifest another stage wrote) at the stage
+    boundary: a missing, empty or malformed file, a top level of the wrong kind, or a missing key
+    or a value of the wrong type in `required` ({key: type or tuple of types}) is a
+    DataValidationError naming the file and the key, never a raw KeyError further in."""
+    p, name = _existing_file(path)
+    text = p.read_text()
+    if not text.strip():
+        raise DataValidationError(f"{name}: rule 'non-empty file' failed: the file is empty",
+                                  source=name, rule="non-empty file")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise DataValidationError(f"{name}: rule 'readable JSON' failed: {exc}", source=name,
+                                  rule="readable JSON") from None
+    if not isinstance(data, kind):
+        raise DataValidationError(
+            f"{name}: rule 'top level' failed: expected a JSON {kind.__name__}, got "
+            f"{type(data).__name__}", source=name, rule="top level")
+    for key, want in (required or {}).items():
+        if key not in data:
+            raise DataValidationError(f"{name}: rule 'required key' failed: no key {key!r}",
+                                      source=name, column=key, rule="required key")
+        value = data[key]
+        types = want if isinstance(want, tuple) else (want,)
+        if float in types and isinstance(value, int) and not isinstance(value, bool):
+            continue  # JSON has one number type
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            raise DataValidationError(
+                f"{name}: rule 'type' failed: {key!r} is {type(value).__name__}, expected "
+                f"{' or '.join(t.__name__ for t in types)}", source=name, column=key,
+                rule="type")
+    return data
+
+
+def read_array_checked(path: str | os.PathLike[str], *, ndim: int, rows: int | None = None,
+                       kind: str = "f") -> Any:
+    """Read a `.npy` input (features, embeddings) at the stage boundary: a missing, empty or
+    corrupt file (pickled objects are refused), the wrong number of dimensions, a dtype of
+    another kind (`f` float, `i` integer), a row count other than `rows`, or a NaN / inf is a
+    DataValidationError naming the file and the rule."""
+    import numpy as np
+
+    p, name = _existing_file(path)
+    if p.stat().st_size == 0:
+        raise DataValidationError(f"{name}: rule 'non-empty file' failed: the file is empty",
+                                  source=name, rule="non-empty file")
+    try:
+        arr = np.load(p, allow_pickle=False)
+    except Exception as exc:  # a bad header, a truncated body, a pickle
+        raise DataValidationError(f"{name}: rule 'readable npy' failed: {type(exc).__name__}: "
+                                  f"{exc}", source=name, rule="readable npy") from None
+    if arr.ndim != ndim:
+        raise DataValidationError(f"{name}: rule 'ndim' failed: {arr.ndim} dimensions "
+                                  f"{arr.shape}, expected {ndim}", source=name, rule="ndim")
+    if arr.dtype.kind != kind:
+        raise DataValidationError(f"{name}: rule 'dtype' failed: observed {arr.dtype}, expected "
+                                  f"kind {kind!r}", source=name, rule="dtype")
+    if rows is not None and arr.shape[0] != rows:
+        raise DataValidationError(f"{name}: rule 'row count' failed: {arr.shape[0]} rows, "
+                                  f"expected {rows}", source=name, rule="row count")
+    if kind == "f" and not np.isfinite(arr).all():
+        bad = int((~np.isfinite(arr)).sum())
+        raise DataValidationError(f"{name}: rule 'finite' failed: {bad} NaN or inf values",
+                                  source=name, rule="finite")
+    return arr

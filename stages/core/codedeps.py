@@ -271,10 +271,13 @@ def write(root: Path) -> list[str]:
 
 
 def paper_packages(root: Path) -> set[str]:
-    """Names of the paper packages: every pipeline of the registry with a `stages/<slug>/`."""
-    from stages.registry import SHARED, STAGES
+    """Names of the paper packages: every pipeline of the registry with a `stages/<package>/`
+    (the package is the slug, or `registry.PACKAGES[slug]` where the slug names something else:
+    pipeline `core` lives in `stages/core_align`, `stages/core` being the contract)."""
+    from stages.registry import PACKAGES, SHARED, STAGES
 
-    return {slug for slug in STAGES if slug not in SHARED and (root / "stages" / slug).is_dir()}
+    names = {PACKAGES.get(slug, slug) for slug in STAGES if slug not in SHARED}
+    return {name for name in names if (root / "stages" / name).is_dir()}
 
 
 def import_rule_violations(root: Path) -> list[str]:

@@ -88,8 +88,15 @@ TIMING_PART = re.compile(r"seconds|(^|_)(s|ms)$|(^|_)ms_|(^|_)per_s($|_)|(^|_)(t
                          r"|elapsed|latency|throughput", re.IGNORECASE)
 
 
-def is_timing_key(key: str) -> bool:
-    return any(TIMING_PART.search(part) for part in key.split("/"))
+# In a stage whose durations are its results (a simulator's latencies in simulated seconds, the
+# latency profile a stage exists to measure), only a key that says it is wall-clock time is one:
+# such a module sets `TIMES_ARE_RESULTS = True` and names its own wall times `wall_*`/`*seconds`.
+WALL_PART = re.compile(r"seconds|(^|_)wall($|_)|elapsed", re.IGNORECASE)
+
+
+def is_timing_key(key: str, *, times_are_results: bool = False) -> bool:
+    rule = WALL_PART if times_are_results else TIMING_PART
+    return any(rule.search(part) for part in key.split("/"))
 
 
 def write_metrics(path: str | os.PathLike[str], metrics: dict[str, float]) -> Path:

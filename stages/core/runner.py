@@ -240,10 +240,12 @@ def split_metrics(module: ModuleType, returned: dict[str, float]
     `dvc metrics show` and `dvc metrics diff` print, is the module's `headline(details)` (a
     handful of flat keys per stage), or every number when the module defines none; details
     (every number) go to `details/<stage>.json`, which the README tables are rendered from."""
-    details = {k: v for k, v in returned.items() if not io.is_timing_key(k)}
+    results = bool(getattr(module, "TIMES_ARE_RESULTS", False))
+    details = {k: v for k, v in returned.items()
+               if not io.is_timing_key(k, times_are_results=results)}
     pick = getattr(module, "headline", None)
     summary = {k: float(v) for k, v in (pick(dict(details)) if pick else details).items()}
-    timed = sorted(k for k in summary if io.is_timing_key(k))
+    timed = sorted(k for k in summary if io.is_timing_key(k, times_are_results=results))
     if timed:  # a headline that computes a timing of its own: still kept out of DVC
         log.warning("%s.headline returned wall times %s: left out of the DVC metrics",
                     module.__name__, timed)

@@ -25,13 +25,13 @@ Outputs: report/ (table.md, acc_by_round.png), plots/acc_by_round.csv, flat metr
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from stages.core.checks import read_json_checked
 from stages.core import io, stats
 from stages.core.stats import (Claim, check_budgets, claim_by_key, claim_metrics, mean_std,
                                read_claim)
@@ -157,7 +157,6 @@ def accuracy_claims(finals: dict[str, dict[int, float]], pairs: list[tuple[str, 
 
 
 def _load_arm(folder: Path, arm: str) -> tuple[Any, dict[str, Any]]:
-    import polars as pl
 
     if not (folder / "curve.parquet").is_file() or not (folder / "budget.json").is_file():
         raise FileNotFoundError(f"{folder}: no curve.parquet/budget.json; run stage {arm!r}")
@@ -169,7 +168,7 @@ def _load_arm(folder: Path, arm: str) -> tuple[Any, dict[str, Any]]:
         # NaN at round 0: nothing selected yet
         "noisy_frac": ColumnSpec(min=0.0, max=1.0, nullable=True),
         "new_items": ColumnSpec(min=0, nullable=True)}))
-    return frame, json.loads((folder / "budget.json").read_text())
+    return frame, read_json_checked(folder / "budget.json")
 
 
 def _plot(mean_curve: Any, path: Path) -> None:
@@ -233,7 +232,7 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     metrics["pool/mul_share"] = float(pool["question"].str.contains("*", literal=True).mean())
     metrics["pool/size"] = float(pool.height)
     if cfg.estimator:
-        summary = json.loads((ctx.path(cfg.estimator) / "summary.json").read_text())
+        summary = read_json_checked(ctx.path(cfg.estimator) / "summary.json")
         metrics.update({f"estimator/{k}": float(v) for k, v in summary.items()
                         if isinstance(v, (int, float)) and not isinstance(v, bool)})
     mean_curve = (pl.concat(curves).group_by(["kind", "arm", "round"], maintain_order=True)

@@ -35,13 +35,13 @@ Outputs: report/ (table.md, rounds.png, indiv.png), plots/rounds.csv, flat metri
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from stages.core.checks import read_json_checked
 from stages.core import io, stats
 from stages.core.stats import (Claim, check_budgets, claim_by_key, claim_from_ci, claim_metrics,
                                mean_std, percentile_ci, read_claim, spearman)
@@ -238,7 +238,7 @@ def _load_arm(folder: Path, arm: str, kind: str = "self") -> tuple[Any, dict[str
     if not (folder / "budget.json").is_file():
         raise FileNotFoundError(f"{folder}: no budget.json; run stage {arm!r}")
     return (read_parquet_checked(folder / "curve.parquet", curve_spec(kind)),
-            json.loads((folder / "budget.json").read_text()))
+            read_json_checked(folder / "budget.json"))
 
 
 def _plot_rounds(mean_curve: Any, path: Path) -> None:

@@ -30,8 +30,16 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from stages.maps.simulate import runs_spec
+from stages.core.checks import read_parquet_checked
 from stages.core import io, stats
 
+
+
+# Durations returned here are results (simulated or the measurement this stage exists to make),
+# not this machine's wall time: only `*seconds`/`wall_*` keys are kept out of DVC
+# (stages/core/io.py `is_timing_key`).
+TIMES_ARE_RESULTS = True
 
 class Config(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -70,10 +78,30 @@ def _values(df, arm: str, col: str, workloads, loads=None) -> dict[tuple, float]
             g.select("workload", "seed", "rate_index", col).iter_rows()}
 
 
+METHOD_METRICS = ("e2e_mean_s", "e2e_p99_s", "ttft_mean_s", "tpot_mean_s", "queue_len",
+                  "preemptions", "rate")
+
+
+def log_method_runs(ctx: Any, df: Any) -> None:
+    """One MLflow run per (workload, arm, seed), the workload as the run's group: one step per
+    rate index and the same metric set for every arm, so MLflow's Compare view shows the arms
+    of a workload side by side (`coverage` too, for the arms with a conformal bound)."""
+    for (w, arm, seed), g in (df.sort(["workload", "arm", "seed", "rate_index"])
+                              .group_by(["workload", "arm", "seed"], maintain_order=True)):
+        with ctx.method_run(str(w), str(arm), int(seed),
+                            params={"arm": arm, "workload": w, "seed": int(seed)}) as r:
+            for row in g.iter_rows(named=True):
+                values = {k: float(row[k]) for k in METHOD_METRICS if k in row}
+                if "coverage" in row and row["coverage"] is not None \
+                        and math.isfinite(row["coverage"]):
+                    values["coverage"] = float(row["coverage"])
+                r.log_metrics(values, step=int(row["rate_index"]))
+
+
 def run(cfg: Config, ctx: Any) -> dict[str, float]:
     import polars as pl
 
-    df = pl.read_parquet(ctx.path(cfg.runs_path))
+    df = read_parquet_checked(ctx.path(cfg.runs_path), runs_spec())
     arms = set(df["arm"].unique())
     wls = [w for w in cfg.claim_workloads if w in set(df["workload"].unique())]
     m: dict[str, float] = {}
@@ -105,6 +133,7 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
             if v:
                 m[f"{w}/maps/coverage"] = float(np.mean(v))
     m["target_coverage"] = 1.0 - cfg.alpha
+    log_method_runs(ctx, df)
     # per (workload, arm, load): means over seeds, the table and the plots
     agg = (df.group_by(["workload", "arm", "load"])
            .agg(pl.col("e2e_mean_s").mean(), pl.col("e2e_p99_s").mean(),
@@ -178,3 +207,9 @@ def results_table(metrics: dict[str, dict[str, Any]]) -> str:
         if cl is not None:
             lines.append(f"- {text}: {cl.sentence('{:+.3f}')}")
     return "\n".join(lines) + "\n"
+
+
+def headline(metrics: dict[str, float]) -> dict[str, float]:
+    """DVC metrics: how many claims are reproduced / inconclusive / contradicted; each claim and
+    every arm's latencies in details/compare.json and the README."""
+    return stats.verdict_counts(metrics)

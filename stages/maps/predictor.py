@@ -491,3 +491,8 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
           f"q_alpha {m['q_alpha']:.1f}, coverage {m['test_coverage']:.3f} "
           f"(bounds {m['coverage_lower_bound']:.3f}..{m['coverage_upper_bound']:.3f})")
     return m
+
+
+def headline(metrics: dict[str, float]) -> dict[str, float]:
+    """DVC metrics: the length predictor's test MAE, Acc-100 and conformal coverage."""
+    return {k: metrics[k] for k in ("test_mae", "test_acc_100", "test_coverage") if k in metrics}

@@ -20,7 +20,6 @@ all arms, so the arms of a trace always see the same file.
 
 from __future__ import annotations
 
-import json
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -29,6 +28,8 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from stages.maps.workload import calibration_spec, pred_spec
+from stages.core.checks import read_json_checked, read_parquet_checked
 from stages.core import io
 from stages.maps.policies import ARMS, make_policy
 from stages.maps.workload import ClusterSpec
@@ -36,6 +37,31 @@ from stages.serving.latency import LatencyProfile
 from stages.serving.sim import ClusterConfig, InstanceSpec, simulate
 from stages.serving.workload import read_trace
 
+
+
+# Durations returned here are results (simulated or the measurement this stage exists to make),
+# not this machine's wall time: only `*seconds`/`wall_*` keys are kept out of DVC
+# (stages/core/io.py `is_timing_key`).
+TIMES_ARE_RESULTS = True
+
+
+def runs_spec():
+    """What compare relies on in the runs table (one row per workload, seed, rate and arm);
+    `coverage` is NaN for the arms without a conformal bound."""
+    import polars as pl
+
+    from stages.core.checks import ColumnSpec, FrameSpec
+
+    pos = {c: ColumnSpec(dtype=pl.Float64, min=0.0)
+           for c in ("rate", "load", "e2e_mean_s", "e2e_p99_s", "e2e_p99_long_s", "queue_len",
+                     "ttft_mean_s", "tpot_mean_s")}
+    return FrameSpec(columns={"workload": ColumnSpec(dtype=pl.String),
+                              "arm": ColumnSpec(dtype=pl.String),
+                              "seed": ColumnSpec(dtype=pl.Int64),
+                              "rate_index": ColumnSpec(dtype=pl.Int64, min=0),
+                              "preemptions": ColumnSpec(dtype=pl.Int64, min=0),
+                              "coverage": ColumnSpec(dtype=pl.Float64, min=0.0, max=1.0,
+                                                     nullable=True), **pos})
 
 class Config(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -151,13 +177,14 @@ def load_inputs(cfg: Config, folder: Path) -> tuple[dict[str, Any], list[tuple]]
     if not mpath.is_file():
         raise DataValidationError(f"{mpath}: rule 'file exists' failed: run stage `workload`",
                                   source=str(mpath), rule="file exists")
-    manifest = json.loads(mpath.read_text())
+    manifest = read_json_checked(mpath, {"profile": dict, "workloads": dict, "load_factors": list, "seeds": list})
     profile = LatencyProfile.model_validate(manifest["profile"])
     tasks = []
     for wl_name, wl in manifest["workloads"].items():
         wl = {**wl, "load_factors": manifest["load_factors"]}
-        preds = pl.read_parquet(folder / wl_name / "pred.parquet")
-        cals = pl.read_parquet(folder / wl_name / "calibration.parquet")
+        preds = read_parquet_checked(folder / wl_name / "pred.parquet", pred_spec())
+        cals = read_parquet_checked(folder / wl_name / "calibration.parquet",
+                                    calibration_spec())
         for seed in manifest["seeds"]:
             p = preds.filter(pl.col("seed") == seed).sort("session")
             c = cals.filter(pl.col("seed") == seed)
@@ -195,10 +222,14 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     else:
         results = [_task(t) for t in tasks]
     df = pl.DataFrame([row for rows in results for row in rows])
+    # each run's wall time goes to MLflow (the stage's metrics), not into the runs table: the
+    # same inputs must give the same bytes
+    sim_seconds = float(df["sim_seconds"].sum())
+    df = df.drop("sim_seconds")
     io.write_parquet(ctx.path(cfg.runs_path), df)
     m: dict[str, float] = {"runs": float(df.height), "traces": float(len(tasks)),
                            "wall_s": time.perf_counter() - started,
-                           "sim_seconds": float(df["sim_seconds"].sum()),
+                           "sim_seconds": sim_seconds,
                            "kv_peak_max": float(max(df[c].max() for c in df.columns
                                                     if c.startswith("kv_peak_decoder")))}
     for (wl, arm), g in df.group_by(["workload", "arm"], maintain_order=True):
@@ -208,3 +239,8 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     print(f"maps simulate: {df.height} runs over {len(tasks)} traces in {m['wall_s']:.1f} s "
           f"(profile {manifest['profile']['name']})")
     return m
+
+
+def headline(metrics: dict[str, float]) -> dict[str, float]:
+    """DVC metrics: simulated runs and traces; per-arm preemptions and coverage in details."""
+    return {k: metrics[k] for k in ("runs", "traces") if k in metrics}

@@ -43,6 +43,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from stages.core.checks import read_parquet_checked
 from stages.core import io
 from stages.serving.latency import LatencyProfile, load_profile
 from stages.serving.workload import make_trace, sharegpt_like, write_trace
@@ -104,6 +105,47 @@ def capacity_rate(profile: LatencyProfile, decode_kv: list[int], f: float, mean_
                                                      [0] * int(per_batch))
     return min(decode, prefill)
 
+
+
+# Durations returned here are results (simulated or the measurement this stage exists to make),
+# not this machine's wall time: only `*seconds`/`wall_*` keys are kept out of DVC
+# (stages/core/io.py `is_timing_key`).
+TIMES_ARE_RESULTS = True
+
+
+def pred_spec():
+    """pred.parquet: the length prediction per (seed, session); `pred_weak` where written."""
+    import polars as pl
+
+    from stages.core.checks import ColumnSpec, FrameSpec
+
+    return FrameSpec(columns={"seed": ColumnSpec(dtype=pl.Int64),
+                              "session": ColumnSpec(dtype=pl.Int64, min=0),
+                              "true": ColumnSpec(dtype=pl.Float64, min=0.0),
+                              "pred": ColumnSpec(dtype=pl.Float64)})
+
+
+def calibration_spec():
+    """calibration.parquet: conformal residuals (true - predicted) per seed."""
+    import polars as pl
+
+    from stages.core.checks import ColumnSpec, FrameSpec
+
+    return FrameSpec(columns={"seed": ColumnSpec(dtype=pl.Int64),
+                              "residual": ColumnSpec(dtype=pl.Float64)})
+
+
+def samples_spec():
+    """The predictor's table (lengths.parquet) as workload reads it: the split of each prompt,
+    its length in tokens, the served length and the prediction."""
+    import polars as pl
+
+    from stages.core.checks import ColumnSpec, FrameSpec
+
+    return FrameSpec(columns={"split": ColumnSpec(dtype=pl.String, values=("train", "cal", "test")),
+                              "prompt_tokens": ColumnSpec(dtype=pl.Int64, min=0),
+                              "served_length": ColumnSpec(dtype=pl.Int64, min=0),
+                              "pred": ColumnSpec(dtype=pl.Float64)})
 
 class Config(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -199,7 +241,7 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
                                                                       seed=_sub(s, 5))}))
                 unit = base
             else:
-                table = pl.read_parquet(ctx.path(cfg.predictor_samples))
+                table = read_parquet_checked(ctx.path(cfg.predictor_samples), samples_spec())
                 test = table.filter(pl.col("split") == "test")
                 cal = table.filter(pl.col("split") == "cal")
                 if test.height < 2 or cal.height < 1:
@@ -272,3 +314,8 @@ def _scaled(tr, rate: float):
     return Trace(session=tr.session, round=tr.round, arrival_s=tr.arrival_s / rate,
                  input_tokens=tr.input_tokens, output_tokens=tr.output_tokens,
                  tool_gap_s=tr.tool_gap_s)
+
+
+def headline(metrics: dict[str, float]) -> dict[str, float]:
+    """DVC metrics: whether the latency profile was measured here; per workload in details."""
+    return {k: metrics[k] for k in ("profile_is_measured",) if k in metrics}

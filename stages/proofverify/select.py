@@ -31,7 +31,6 @@ each seed redraws the verdict samples, the tournament shuffles and the tie-break
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from typing import Any, Callable, Literal, Sequence
@@ -39,6 +38,7 @@ from typing import Any, Callable, Literal, Sequence
 import polars as pl
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from stages.core.checks import read_json_checked
 from stages.core import io
 from stages.models.backend import BackendConfig, make_backend
 from stages.proofverify import proofverify as pv
@@ -287,7 +287,7 @@ def annotate_verifier(ctx: Any, backend: BackendConfig, m: dict[str, float]) -> 
         return
     folder = ctx.path(backend.model)
     info = folder / "verifier.json"
-    if info.is_file() and json.loads(info.read_text()).get("registered_as"):
+    if info.is_file() and read_json_checked(info).get("registered_as"):
         ctx.tracker.annotate_model(folder, {f"{ctx.stage}/{k}": v for k, v in m.items()})
 
 

@@ -36,12 +36,12 @@ Outputs: `report/` (table.md, acc_vs_rollouts.png, control.png), `plots/acc_vs_r
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from stages.core.checks import read_json_checked
 from stages.core import io, stats
 from stages.core.stats import (Claim, check_budgets, claim_by_key, claim_metrics, mean_std,
                                read_claim)
@@ -184,7 +184,7 @@ def _load_curves(runs: Path, arms: list[str]) -> tuple[dict, dict, Any]:
         if not (folder / "budget.json").is_file():
             raise FileNotFoundError(f"{folder}: no budget.json; run stage {arm!r}")
         df = read_parquet_checked(folder / "curve.parquet", spec)
-        budgets[arm] = json.loads((folder / "budget.json").read_text())
+        budgets[arm] = read_json_checked(folder / "budget.json")
         frames.append(df.with_columns(pl.lit(arm).alias("arm")))
         curves[arm] = {int(seed): sorted(zip(g["rollouts"].to_list(), g["eval_acc"].to_list()))
                        for (seed,), g in df.group_by("seed", maintain_order=True)}

@@ -25,7 +25,6 @@ seed) on `claim_split` (t interval); the judges' gain pairs the two judges' corr
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any, Literal
@@ -33,11 +32,15 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from stages.core.checks import read_json_checked
 from stages.core import io, stats
 
 TESTS = ("test_iid", "test_hard")
 FIXED = ("always_direct", "always_reasoning")
 
+
+# What a router folder's config.json must hold for `load_router` and the method runs' params.
+ROUTER_KEYS = {"input_dim": int, "hidden": int, "layers": int}
 
 class Config(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -128,7 +131,7 @@ def load_router(folder: Path) -> Any:
 
     from stages.racer.racer import build_router
 
-    conf = json.loads((folder / "config.json").read_text())
+    conf = read_json_checked(folder / "config.json", ROUTER_KEYS)
     model = build_router(conf["input_dim"], conf["hidden"], conf["layers"])
     model.load_state_dict(load_file(str(folder / "model.safetensors")))
     model.eval()
@@ -171,7 +174,7 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
             folder = rdir / arm / f"C{budget:g}"
             for seed_dir in sorted(folder.iterdir()):
                 model = load_router(seed_dir)
-                conf = json.loads((seed_dir / "config.json").read_text())
+                conf = read_json_checked(seed_dir / "config.json", ROUTER_KEYS)
                 hparams[(arm, budget)] = {k: conf[k] for k in ("tau_r", "tau_c", "beta",
                                                                 "hidden", "layers")}
                 for split in TESTS:
@@ -224,7 +227,7 @@ def annotate_registered(ctx: Any, rdir: Path, rows: list[dict[str, Any]]) -> Non
     path = rdir / "registered.json"
     if ctx.tracker is None or not path.is_file():
         return
-    for key in json.loads(path.read_text()):
+    for key in read_json_checked(path):
         arm, budget, seed = key.split("/")
         got = {f"{r['split']}/{col}": r[col] for r in rows for col in ("acc", "cost")
                if r["method"] == arm and f"C{r['budget']:g}" == budget

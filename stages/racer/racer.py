@@ -36,7 +36,6 @@ a multiplier step; the best iterate on validation (highest accuracy within budge
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from pathlib import Path
@@ -45,6 +44,7 @@ from typing import Any, Callable, Literal, Sequence
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from stages.core.checks import read_array_checked, read_json_checked
 from stages.core import io
 
 # --- the math: small pure functions (numpy) ------------------------------------------------------
@@ -538,8 +538,8 @@ def load_arrays(features_dir: Path, outcomes_dir: Path, split: str) -> tuple[np.
 
     from stages.racer.outcomes import read_outcomes
 
-    feats = np.load(features_dir / f"{split}.npy")
-    ids = json.loads((features_dir / f"{split}.ids.json").read_text())
+    ids = read_json_checked(features_dir / f"{split}.ids.json", kind=list)
+    feats = read_array_checked(features_dir / f"{split}.npy", ndim=2, rows=len(ids))
     out = read_outcomes(outcomes_dir / f"{split}.parquet")
     pos = {i: k for k, i in enumerate(ids)}
     missing = [i for i in out["id"].to_list() if i not in pos]
@@ -547,7 +547,7 @@ def load_arrays(features_dir: Path, outcomes_dir: Path, split: str) -> tuple[np.
         raise ValueError(f"{features_dir}/{split}.npy: no features for {len(missing)} items, "
                          f"e.g. {missing[:3]}: rerun the features stage")
     x = feats[[pos[i] for i in out["id"].to_list()]]
-    unit = json.loads((outcomes_dir / "cost_unit.json").read_text())["tokens"]
+    unit = read_json_checked(outcomes_dir / "cost_unit.json", {"tokens": float})["tokens"]
     r = out.select(pl.col("direct_correct"), pl.col("reasoning_correct")).to_numpy().astype(float)
     c = out.select(pl.col("direct_tokens"), pl.col("reasoning_tokens")).to_numpy() / unit
     return x, r, c, out["difficulty"].to_numpy()

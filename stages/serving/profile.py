@@ -49,6 +49,12 @@ from stages.core import io
 from stages.serving.latency import LatencyProfile  # the contract: what this stage writes
 
 
+
+# Durations returned here are results (simulated or the measurement this stage exists to make),
+# not this machine's wall time: only `*seconds`/`wall_*` keys are kept out of DVC
+# (stages/core/io.py `is_timing_key`).
+TIMES_ARE_RESULTS = True
+
 class Config(BaseModel):
     """Defaults are the smoke sizes (seconds). Suggested `cpu`: prompt_lengths [8, 16, 32, 48,
     64, 96, 128, 160, 192, 224], prefill_batches [1, 2, 4, 8], decode_batches [1, 2, 4, 8, 16,
@@ -406,3 +412,9 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     metrics.update({f"fit/{k}": v for k, v in profile["fit"].items()})
     metrics["measure_seconds"] = seconds
     return metrics
+
+
+def headline(metrics: dict[str, float]) -> dict[str, float]:
+    """DVC metrics: how well the linear forms fit the measurements (MAPE of prefill and decode);
+    the fitted constants are in data/profile.json and details/profile_engine.json."""
+    return {k: metrics[k] for k in ("fit/prefill_mape", "fit/decode_mape") if k in metrics}

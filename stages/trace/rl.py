@@ -18,7 +18,6 @@ held-out prompts), per seed.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from stages.core.checks import read_json_checked
 from stages.core import io
 from stages.core.stats import mean_std
 from stages.trace import trace
@@ -131,7 +131,7 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
                                      arith.expectations(None, "test")).to_dicts()
     start = ctx.path(cfg.model) / cfg.start
     if not (start / "config.json").is_file():
-        names = json.loads((ctx.path(cfg.model) / "conditions.json").read_text())
+        names = read_json_checked(ctx.path(cfg.model) / "conditions.json", kind=list)
         raise ValueError(f"{ctx.stage}.start = {cfg.start!r}: no such policy; conditions are "
                          f"{[c['condition'] for c in names]}")
     tagger_dir = ctx.path(cfg.tagger)

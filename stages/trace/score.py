@@ -15,7 +15,6 @@ params' tables (`tables.version` is stored with every number, spec §6).
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any, Literal
 
@@ -23,7 +22,7 @@ import polars as pl
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from stages.core import io
-from stages.core.checks import read_parquet_checked
+from stages.core.checks import read_parquet_checked, read_json_checked
 from stages.models.backend import BackendConfig
 from stages.tasks import arith
 from stages.trace import trace
@@ -110,7 +109,7 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     tests = read_parquet_checked(ctx.path(cfg.corpus) / "test.parquet",
                                  arith.expectations(None, "test")).to_dicts()
     tests = tests[: cfg.n_prompts] if cfg.n_prompts else tests
-    conditions = json.loads((ctx.path(cfg.policies) / "conditions.json").read_text())
+    conditions = read_json_checked(ctx.path(cfg.policies) / "conditions.json", kind=list)
     tagger = make_tagger(cfg, ctx)
     frames, metrics = [], {}
     for cond in conditions:

@@ -12,6 +12,7 @@ import polars as pl
 import pytest
 import yaml
 
+from stages.core import io
 from tests.conftest import dvc, paperline
 
 pytestmark = pytest.mark.slow
@@ -54,7 +55,7 @@ def test_every_arm_has_a_result_per_seed_and_rate(ampd_repo: Path):
     assert runs["attainment"].is_between(0, 1).all()
     # the rate grid is the profile's capacity times the loads, not hand-set sessions/s
     assert grid["rates"] == pytest.approx([x * grid["capacity"]["cluster"] for x in grid["loads"]])
-    m = json.loads((ampd_repo / P / "metrics/compare.json").read_text())
+    m = io.read_metrics(ampd_repo / P / "details/compare.json")
     for arm in ARMS:
         for i in (0, 1):
             assert 0 <= m[f"{arm}/attainment/{i}/mean"] <= 1
@@ -99,7 +100,7 @@ def test_where_prefills_ran_and_the_stall_accounting(ampd_repo: Path):
     # the worst gap a request sees: a whole local prefill under arm b, a decode step (or a KV
     # transfer) under arm a, on the same rounds
     assert b["itl_max_s"].mean() > a["itl_max_s"].mean()
-    m = json.loads((ampd_repo / P / "metrics/compare.json").read_text())
+    m = io.read_metrics(ampd_repo / P / "details/compare.json")
     assert m["dynamo/local_fraction/mean"] == 0.0
     assert m["local/local_fraction_history/mean"] == 1.0
 
@@ -108,11 +109,11 @@ def test_plan_reorder_bound_readme_and_no_op_repro(ampd_repo: Path):
     plan = json.loads((ampd_repo / P / "data/plan/plan.json").read_text())
     assert plan["brute_force_match"] is True            # the ILP against enumeration
     assert plan["gpus"] <= 8 and plan["prefill"] and plan["decode"]
-    s = json.loads((ampd_repo / P / "metrics/simulate.json").read_text())
+    s = io.read_metrics(ampd_repo / P / "details/simulate.json")
     assert s["runs"] == 24 and s["max_overtaken"] <= 2  # lookahead 3: at most 2 overtakes
     readme = (ampd_repo / P / "README.md").read_text()
     block = readme.split("<!-- results:start")[1].split("<!-- results:end")[0]
-    m = json.loads((ampd_repo / P / "metrics/compare.json").read_text())
+    m = io.read_metrics(ampd_repo / P / "details/compare.json")
     assert "| (f) planned |" in block and f"{m['planned/attainment/0/mean']:.3f}" in block
     assert "the crossover appears" in block
     out = dvc(ampd_repo, "repro", str(P / "dvc.yaml")).stdout
@@ -133,6 +134,24 @@ def _set(repo: Path, dotted: str, value: object) -> None:
         node = node[k]
     node[last] = value
     path.write_text(yaml.safe_dump(params, sort_keys=False))
+
+
+def test_arms_side_by_side_in_mlflow(ampd_repo: Path):
+    """A run per (arm, seed) from `compare` (group `simulate`), each with its params and the
+    same metric names stepped by load index: MLflow's Compare view shows arms side by side."""
+    from tests.pipelines.test_base_pipeline import mlflow_client
+
+    client = mlflow_client(ampd_repo)
+    exp = client.get_experiment_by_name("ampd")
+    runs = [r for r in client.search_runs([exp.experiment_id], max_results=2000)
+            if r.data.tags.get("paperline.source_stage") == "compare"
+            and r.data.tags.get("paperline.method")]
+    table = pl.read_parquet(ampd_repo / P / "data/sim/runs.parquet")
+    want = {(a, str(int(s))) for a, s in table.select("arm", "seed").unique().iter_rows()}
+    assert {(r.data.params["arm"], r.data.params["seed"]) for r in runs} == want
+    assert {frozenset(r.data.metrics) for r in runs} == {
+        frozenset({"attainment", "round_attainment", "local_fraction", "rate"})}
+    assert "wall_s" not in table.columns   # wall times in MLflow, not in the data
 
 
 @pytest.mark.parametrize("dotted, value, expected", [

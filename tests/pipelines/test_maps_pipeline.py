@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
 import sys
@@ -13,6 +12,7 @@ import polars as pl
 import pytest
 import yaml
 
+from stages.core import io
 from tests.conftest import dvc, paperline
 from tests.pipelines.test_base_pipeline import mlflow_client
 
@@ -70,7 +70,7 @@ def test_no_decoder_over_capacity_and_policies_differ(maps_repo: Path):
     for c in ("kv_peak_decoder0", "kv_peak_decoder1"):
         # never over capacity; used by some run (a dispatcher may leave one idle at low load)
         assert 0.0 < runs[c].max() <= 1.0 and runs[c].min() >= 0.0
-    sim = json.loads((maps_repo / P / "metrics/simulate.json").read_text())
+    sim = io.read_metrics(maps_repo / P / "details/simulate.json")
     assert sim["kv_peak_max"] <= 1.0
     # the arms really route differently: round-robin splits requests evenly, MAPS does not
     rr = runs.filter(pl.col("arm") == "round_robin")["share_decoder0"]
@@ -82,7 +82,7 @@ def test_no_decoder_over_capacity_and_policies_differ(maps_repo: Path):
 
 
 def test_predictor_registered_and_coverage_with_bounds(maps_repo: Path):
-    p = json.loads((maps_repo / P / "metrics/predictor.json").read_text())
+    p = io.read_metrics(maps_repo / P / "details/predictor.json")
     assert 0 <= p["test_coverage"] <= 1
     assert p["coverage_lower_bound"] == pytest.approx(0.9)
     assert p["coverage_lower_bound"] < p["coverage_upper_bound"] < 1
@@ -93,7 +93,7 @@ def test_predictor_registered_and_coverage_with_bounds(maps_repo: Path):
     v = client.get_model_version_by_alias("maps-predictor", "champion")
     run = client.get_run(v.run_id)                   # the run that made it
     assert run.data.tags.get("paperline.stage") == "predictor"
-    c = json.loads((maps_repo / P / "metrics/compare.json").read_text())
+    c = io.read_metrics(maps_repo / P / "details/compare.json")
     assert c["target_coverage"] == pytest.approx(0.9)
     assert 0.5 < c["sharegpt/maps/coverage"] <= 1.0
     for name in ("maps_vs_rr_mean", "maps_vs_rr_p99", "coverage", "mq_vs_mc", "queue_vs_rr"):
@@ -101,7 +101,7 @@ def test_predictor_registered_and_coverage_with_bounds(maps_repo: Path):
         assert f"claim/{name}/pairs" in c
     assert c["claim/maps_vs_rr_mean/pairs"] == 8      # 2 workloads x 2 seeds x 2 rates
     assert c["claim/maps_vs_rr_mean/paper_effect"] == -0.426
-    m = json.loads((maps_repo / P / "metrics/motivation.json").read_text())
+    m = io.read_metrics(maps_repo / P / "details/motivation.json")
     assert 0 <= m["hp_f_hp"] <= 1 and m["hp_C_hp"] <= m["hp_T_hp"] + 1e-9
     readme = (maps_repo / P / "README.md").read_text()
     block = readme.split("<!-- results:start")[1].split("<!-- results:end")[0]
@@ -150,3 +150,26 @@ def test_malformed_trace_rejected_by_name_before_compute(maps_repo: Path, tmp_pa
 def test_second_repro_of_the_pipeline_does_nothing(maps_repo: Path):
     out = dvc(maps_repo, "repro", str(P / "dvc.yaml")).stdout
     assert "Running stage" not in out, out[-2000:]
+
+
+def test_arms_side_by_side_in_mlflow(maps_repo: Path):
+    """A run per (workload, arm, seed) under `compare`, each with its params and the same metric
+    names stepped by rate index, so MLflow's Compare view shows arms side by side."""
+    client = mlflow_client(maps_repo)
+    exp = client.get_experiment_by_name("maps")
+    runs = [r for r in client.search_runs([exp.experiment_id], max_results=5000)
+            if r.data.tags.get("paperline.source_stage") == "compare"
+            and r.data.tags.get("paperline.method")]
+    table = pl.read_parquet(maps_repo / P / "data/runs.parquet")
+    want = {(w, a, str(s)) for w, a, s in
+            table.select("workload", "arm", "seed").unique().iter_rows()}
+    assert {(r.data.params["workload"], r.data.params["arm"], r.data.params["seed"])
+            for r in runs} == want
+    assert all(r.data.tags["paperline.stage"] == r.data.params["workload"] for r in runs)
+    names = {frozenset(k for k in r.data.metrics if k != "coverage") for r in runs}
+    assert names == {frozenset({"e2e_mean_s", "e2e_p99_s", "ttft_mean_s", "tpot_mean_s",
+                                "queue_len", "preemptions", "rate"})}
+    maps_run = next(r for r in runs if r.data.params["arm"] == "maps")
+    assert "coverage" in maps_run.data.metrics
+    steps = client.get_metric_history(maps_run.info.run_id, "e2e_mean_s")
+    assert sorted(m.step for m in steps) == sorted(table["rate_index"].unique().to_list())

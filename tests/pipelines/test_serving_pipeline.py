@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from stages.serving.latency import LatencyProfile, ProfileError, load_profile
+from stages.core import io
 from tests.conftest import dvc, paperline
 from tests.pipelines.test_base_pipeline import mlflow_client
 
@@ -36,7 +37,7 @@ def test_profile_written_valid_and_registered(serving_repo: Path):
     # a real measurement: positive costs, fit errors recorded
     assert profile.prefill_s_per_token > 0 and profile.decode_step_time(1, 16) > 0
     assert 0 <= profile.fit["prefill_mape"] < 1 and 0 <= profile.fit["decode_mape"] < 1
-    m = json.loads((serving_repo / P / "metrics/profile_engine.json").read_text())
+    m = io.read_metrics(serving_repo / P / "details/profile_engine.json")
     assert m["fit/decode_mape"] == pytest.approx(profile.fit["decode_mape"])
     timings = pl.read_parquet(serving_repo / P / "data/profile_timings.parquet")
     assert set(timings["kind"]) == {"prefill", "decode", "transfer"}
@@ -58,7 +59,7 @@ def test_profile_written_valid_and_registered(serving_repo: Path):
 
 
 def test_queueing_check_passes(serving_repo: Path):
-    m = json.loads((serving_repo / P / "metrics/queueing_check.json").read_text())
+    m = io.read_metrics(serving_repo / P / "details/queueing_check.json")
     assert m["checks"] == 6 and m["passed"] == 6, m
     assert m["mm1/theory"] == pytest.approx(1.0)           # rho 0.5, E[S] 1 s
     assert 0 < m["mm1/half_width"] < 0.3
@@ -67,7 +68,7 @@ def test_queueing_check_passes(serving_repo: Path):
 
 
 def test_validate_sim_errors_finite_and_in_the_readme(serving_repo: Path):
-    m = json.loads((serving_repo / P / "metrics/validate_sim.json").read_text())
+    m = io.read_metrics(serving_repo / P / "details/validate_sim.json")
     for rate in ("rate4", "rate8"):
         assert m[f"{rate}/requests"] == 20
         for model in ("profile", "server_log"):

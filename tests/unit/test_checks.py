@@ -237,3 +237,65 @@ def test_good_lists_pass():
 def test_spec_from_schema_rejects_unknown_column():
     with pytest.raises(KeyError, match="not in the schema"):
         spec_from_schema(SCHEMA, nope={"unique": True})
+
+
+# --- read_json_checked: JSON inputs (budgets, summaries, manifests) at the stage boundary ---
+
+@pytest.mark.parametrize("text, required, kind, rule, column", [
+    (None, None, dict, "file exists", None),
+    ("", None, dict, "non-empty file", None),
+    ('{"a": 1', None, dict, "readable JSON", None),
+    ('[1, 2]', None, dict, "top level", None),
+    ('{"a": 1}', {"tokens": float}, dict, "required key", "tokens"),
+    ('{"tokens": "12"}', {"tokens": float}, dict, "type", "tokens"),
+    ('{"tokens": true}', {"tokens": float}, dict, "type", "tokens"),
+    ('{"seeds": {"a": 1}}', {"seeds": list}, dict, "type", "seeds"),
+])
+def test_read_json_checked_names_the_file_key_and_rule(tmp_path, text, required, kind, rule,
+                                                      column):
+    from stages.core.checks import read_json_checked
+
+    path = tmp_path / "budget.json"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(DataValidationError) as err:
+        read_json_checked(path, required, kind=kind)
+    assert err.value.rule == rule and err.value.column == column
+    assert str(path) in str(err.value) and f"rule '{rule}'" in str(err.value)
+
+
+def test_read_json_checked_returns_the_data(tmp_path):
+    from stages.core.checks import read_json_checked
+
+    (tmp_path / "a.json").write_text('{"tokens": 12, "name": "x"}')
+    assert read_json_checked(tmp_path / "a.json", {"tokens": float, "name": str}) == {
+        "tokens": 12, "name": "x"}  # an int is a JSON number: accepted as float
+    (tmp_path / "b.json").write_text('[{"condition": "a"}]')
+    assert read_json_checked(tmp_path / "b.json", kind=list) == [{"condition": "a"}]
+
+
+def test_read_array_checked_names_each_defect(tmp_path):
+    import numpy as np
+
+    from stages.core.checks import read_array_checked
+
+    good = np.arange(12, dtype=np.float32).reshape(4, 3)
+    np.save(tmp_path / "good.npy", good)
+    assert (read_array_checked(tmp_path / "good.npy", ndim=2, rows=4) == good).all()
+    raw = (tmp_path / "good.npy").read_bytes()
+    (tmp_path / "cut.npy").write_bytes(raw[: len(raw) // 2])
+    (tmp_path / "empty.npy").write_bytes(b"")
+    np.save(tmp_path / "obj.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    np.save(tmp_path / "flat.npy", good.ravel())
+    np.save(tmp_path / "ints.npy", good.astype(np.int64))
+    nan = good.copy()
+    nan[1, 2] = np.nan
+    np.save(tmp_path / "nan.npy", nan)
+    cases = {"missing.npy": ("file exists", {}), "empty.npy": ("non-empty file", {}),
+             "cut.npy": ("readable npy", {}), "obj.npy": ("readable npy", {}),
+             "flat.npy": ("ndim", {}), "ints.npy": ("dtype", {}), "nan.npy": ("finite", {}),
+             "good.npy": ("row count", {"rows": 5})}
+    for name, (rule, extra) in cases.items():
+        with pytest.raises(DataValidationError) as err:
+            read_array_checked(tmp_path / name, **{"ndim": 2, **extra})
+        assert err.value.rule == rule and name in str(err.value), (name, str(err.value))

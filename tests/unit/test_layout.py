@@ -86,3 +86,21 @@ def test_import_rule_fails_on_a_planted_violation(tmp_path: Path, planted: str, 
                     "    from stages.hsir import hsir  # noqa: F401\n")
     found = codedeps.import_rule_violations(root)
     assert found == [f"{planted}: imports stages.hsir.hsir ({expected})"]
+
+
+def test_a_paper_package_named_apart_from_its_slug_is_checked_as_that_paper(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Pipeline `core` lives in stages/core_align (registry.PACKAGES): importing it from another
+    paper breaks the rule, and stages/core (the contract) is never taken for a paper."""
+    from stages import registry
+
+    monkeypatch.setitem(registry.STAGES, "core", {"x": "stages.core_align.core"})
+    root = _copy_sources(tmp_path)
+    papers = codedeps.paper_packages(root)
+    assert "core_align" in papers and "core" not in papers
+    path = root / "stages/racer/compare.py"
+    path.write_text(path.read_text() + "\n\ndef _planted():\n"
+                    "    from stages.core_align import core  # noqa: F401\n")
+    assert codedeps.import_rule_violations(root) == [
+        "stages/racer/compare.py: imports stages.core_align.core "
+        "(paper 'racer' imports paper 'core_align')"]

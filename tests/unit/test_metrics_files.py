@@ -10,6 +10,7 @@ tests/unit/test_dvc_metrics.py.
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import re
@@ -29,6 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
 # The brief's own spelling of a timing, independent of io.TIMING_PART: `*seconds*`, a `_s` or
 # `_ms` duration, `*per_s*`, `*time*`, ms/item.
 TIMING_WORDS = re.compile(r"second|(^|_)m?s$|per_s($|_)|(^|_)time|ms/|wall|elapsed")
+WALL_WORDS = re.compile(r"second|wall|elapsed")
 
 
 def _tracked() -> set[str]:
@@ -82,10 +84,32 @@ def test_no_tracked_metrics_or_details_file_holds_a_timing():
                                                   f))
     files += [f for fs in _declared_metrics().values() for f in fs if f not in files]
     assert len(files) > 60
-    bad = {f: [k for k in json.loads((REPO / f).read_text())
-               if io.is_timing_key(k) or TIMING_WORDS.search(k.rsplit("/", 1)[-1])]
-           for f in files}
+    # a stage whose durations are its results (a simulator's latencies) keeps them; its own
+    # wall times are still out (`TIMES_ARE_RESULTS`, io.is_timing_key)
+    results = {str(path.relative_to(REPO)) for pipeline, stage, mfile, dfile in _stage_files()
+               if getattr(importlib.import_module(STAGES[pipeline][stage]),
+                          "TIMES_ARE_RESULTS", False)
+               for path in (mfile, dfile)}
+    assert results, "no stage declares TIMES_ARE_RESULTS: the serving stages should"
+
+    def timed(f: str, k: str) -> bool:
+        if f in results:
+            return (io.is_timing_key(k, times_are_results=True)
+                    or WALL_WORDS.search(k.rsplit("/", 1)[-1]) is not None)
+        return io.is_timing_key(k) or TIMING_WORDS.search(k.rsplit("/", 1)[-1]) is not None
+
+    bad = {f: [k for k in json.loads((REPO / f).read_text()) if timed(f, k)] for f in files}
     assert {f: keys for f, keys in bad.items() if keys} == {}
+
+
+def test_simulated_times_are_results_wall_times_are_not():
+    kept = ["e2e_mean_s", "bursty/maps/load0.5/e2e_p99_s", "slo_ttft_s", "capacity_sessions_per_s",
+            "decode_s_per_seq", "max_norm_latency"]
+    wall = ["wall_s", "max_run_wall_s", "rounds_per_wall_s", "sim_seconds", "ilp_seconds",
+            "serve_seconds"]
+    assert [k for k in kept if io.is_timing_key(k, times_are_results=True)] == []
+    assert [k for k in wall if not io.is_timing_key(k, times_are_results=True)] == []
+    assert all(io.is_timing_key(k) for k in ["e2e_mean_s", "slo_ttft_s", "max_norm_latency", *wall])
 
 
 def test_every_declared_metrics_file_is_tracked_by_git():

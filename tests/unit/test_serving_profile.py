@@ -129,7 +129,10 @@ def test_profile_engine_measures_the_tiny_model_and_writes_the_profile(tiny_mode
     metrics = P.run(cfg, _ctx(tmp_path, tiny_model))
     profile = P.LatencyProfile(**json.loads((tmp_path / "profile.json").read_text()))
     assert profile.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4       # layers, heads, head_dim, fp32
-    assert profile.prefill_s0 > 0 and profile.decode_s0 > 0
+    # the intercepts are non-negative fits: on a loaded machine a noisy fit may put one at 0, so
+    # the check is that the profile predicts a positive time for the smallest step
+    assert profile.prefill_s0 >= 0 and profile.decode_s0 >= 0
+    assert profile.prefill_time(4) > 0 and profile.decode_step_time(1, 8) > 0
     assert min(profile.prefill_s_per_token, profile.prefill_s_per_token2,
                profile.decode_s_per_seq, profile.decode_s_per_ctx_token) >= 0
     assert profile.link_bytes_per_s > 0

@@ -1,0 +1,159 @@
+"""Hallucination metrics for GIFT, per image so that arms can be paired image by image.
+
+CHAIR (Rohrbach et al., 2018), over an exact object vocabulary instead of COCO's synonym lists:
+- an object class is a phrase "<colour> <shape>" (e.g. "red circle"); a caption MENTIONS a class
+  when the phrase, or its plural ("red circles", "red boxes"), occurs as whole words
+  (lowercased; punctuation ignored). A bare shape word ("a circle") names no class and counts
+  nowhere. Each class counts once per caption (set semantics, however often it is repeated).
+- a mention is HALLUCINATED when the class is not among the image's objects.
+- CHAIR_S = share of captions with at least one hallucinated mention (every caption counts, also
+  one that mentions nothing); CHAIR_I = hallucinated mentions / all mentions, over all captions
+  (a ratio of sums, not a mean of per-image ratios).
+
+POPE (Li et al., 2023): yes/no existence questions; "yes" is the positive class.
+- an answer is read from its first word: "yes" or "no"; anything else is UNPARSED, counted as a
+  non-yes answer (it is wrong on a positive, right on a negative) and reported in `unparsed`.
+- accuracy, precision, recall and F1 of "yes", and yes_ratio (the share of yes answers: a model
+  biased to "yes" shows it here first).
+
+Per-image records are plain dicts (one row of a parquet table each). Aggregates take optional
+`idx` (indices into the records, repeats allowed) so `paired_bootstrap` can resample images
+with `stages.core.stats.percentile_ci`, and `stats.claim_from_ci` turns the interval into the
+house verdict. A per-image mean (CHAIR_S, POPE accuracy) can go straight to
+`stats.paired_ci(..., method="bootstrap")` on `chair_s` / `correct` columns.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from stages.core import stats
+
+Record = dict[str, Any]
+
+
+# --- CHAIR ---------------------------------------------------------------------------------------
+
+def _words(text: str) -> str:
+    """' red circle and blue square ': lowercased words padded with spaces for whole-word search."""
+    return " " + " ".join(re.findall(r"[a-z]+", text.lower())) + " "
+
+
+def _plural(phrase: str) -> str:
+    return phrase + ("es" if re.search(r"(s|x|z|ch|sh)$", phrase) else "s")
+
+
+def _check_vocabulary(vocabulary: Sequence[str]) -> list[str]:
+    phrases = [_words(p).strip() for p in vocabulary]
+    bad = [p for p, q in zip(vocabulary, phrases) if not q or q != p.lower().strip()]
+    repeated = sorted({q for q in phrases if phrases.count(q) > 1})
+    if bad or repeated:
+        raise ValueError(f"the object vocabulary must be distinct phrases of words (e.g. 'red "
+                         f"circle'); not plain words: {bad}, repeated: {repeated}")
+    return phrases
+
+
+def mentioned_objects(caption: str, vocabulary: Sequence[str]) -> set[str]:
+    """Classes of `vocabulary` that `caption` mentions (singular or plural phrase, whole words)."""
+    text = _words(caption)
+    return {p for p in _check_vocabulary(vocabulary)
+            if f" {p} " in text or f" {_plural(p)} " in text}
+
+
+def chair_per_image(captions: Sequence[str], objects: Sequence[Sequence[str]],
+                    vocabulary: Sequence[str]) -> list[Record]:
+    """One record per caption: mentioned and hallucinated class counts and chair_s (0/1).
+    `objects[k]` lists the classes really in image k (repeats allowed); each must be in the
+    vocabulary, otherwise a hallucination could not be told from a missing class."""
+    if len(captions) != len(objects):
+        raise ValueError(f"{len(captions)} captions but {len(objects)} object lists")
+    vocab = set(_check_vocabulary(vocabulary))
+    records = []
+    for k, (caption, truth) in enumerate(zip(captions, objects)):
+        present = {t.lower().strip() for t in truth}
+        unknown = sorted(present - vocab)
+        if unknown:
+            raise ValueError(f"image {k}: objects {unknown} are not in the object vocabulary")
+        mentioned = mentioned_objects(caption, vocabulary)
+        hallucinated = mentioned - present
+        records.append({"mentioned": len(mentioned), "hallucinated": len(hallucinated),
+                        "chair_s": float(bool(hallucinated)),
+                        "hallucinated_objects": sorted(hallucinated)})
+    return records
+
+
+def chair(records: Sequence[Record], idx: Sequence[int] | None = None) -> dict[str, float]:
+    """CHAIR_S and CHAIR_I over the records (or the resampled `idx`); CHAIR_I is NaN when no
+    caption mentions any object."""
+    rows = [records[i] for i in (range(len(records)) if idx is None else idx)]
+    if not rows:
+        raise ValueError("CHAIR needs at least one caption")
+    mentioned = sum(r["mentioned"] for r in rows)
+    return {"chair_s": sum(r["chair_s"] for r in rows) / len(rows),
+            "chair_i": sum(r["hallucinated"] for r in rows) / mentioned if mentioned else math.nan}
+
+
+# --- POPE ----------------------------------------------------------------------------------------
+
+def pope_answer(text: str) -> str | None:
+    """'yes' / 'no' from the answer's first word, None when it is neither."""
+    words = re.findall(r"[a-z]+", text.lower())
+    return words[0] if words and words[0] in ("yes", "no") else None
+
+
+def pope_per_item(answers: Sequence[str], labels: Sequence[bool]) -> list[Record]:
+    """One record per question: pred_yes, label_yes, correct (0/1 each) and unparsed."""
+    if len(answers) != len(labels):
+        raise ValueError(f"{len(answers)} answers but {len(labels)} labels")
+    records = []
+    for answer, label in zip(answers, labels):
+        parsed = pope_answer(answer)
+        pred = parsed == "yes"
+        records.append({"pred_yes": float(pred), "label_yes": float(bool(label)),
+                        "correct": float(pred == bool(label)), "unparsed": float(parsed is None)})
+    return records
+
+
+def pope(records: Sequence[Record], idx: Sequence[int] | None = None) -> dict[str, float]:
+    """accuracy, precision, recall, F1 (positive = yes), yes_ratio, unparsed share; precision
+    (no yes answer) and F1 (no true positive) are NaN where undefined."""
+    rows = [records[i] for i in (range(len(records)) if idx is None else idx)]
+    if not rows:
+        raise ValueError("POPE needs at least one question")
+    tp = sum(r["pred_yes"] * r["label_yes"] for r in rows)
+    pred_yes = sum(r["pred_yes"] for r in rows)
+    label_yes = sum(r["label_yes"] for r in rows)
+    precision = tp / pred_yes if pred_yes else math.nan
+    recall = tp / label_yes if label_yes else math.nan
+    f1 = 2 * precision * recall / (precision + recall) if tp else math.nan
+    return {"accuracy": sum(r["correct"] for r in rows) / len(rows), "precision": precision,
+            "recall": recall, "f1": f1, "yes_ratio": pred_yes / len(rows),
+            "unparsed": sum(r["unparsed"] for r in rows) / len(rows)}
+
+
+# --- paired resampling ---------------------------------------------------------------------------
+
+def paired_bootstrap(statistic: Callable[[Sequence[Record], Sequence[int] | None], float],
+                     method: Sequence[Record], baseline: Sequence[Record], *,
+                     relative: bool = False, draws: int = 2000, seed: int = 0
+                     ) -> tuple[float, float, float]:
+    """(difference, 95% CI low, high) of statistic(method) - statistic(baseline), resampling the
+    SAME images on both sides (`stats.percentile_ci`). `relative`: the difference divided by the
+    baseline's statistic (e.g. the relative CHAIR_S drop, paper: -20.7%), NaN where that is 0.
+    For CHAIR_I, F1 and other ratios of sums, which are not means of per-image values."""
+    if len(method) != len(baseline) or not method:
+        raise ValueError(f"paired images need two equally long non-empty lists, got "
+                         f"{len(method)} and {len(baseline)}")
+
+    def diff(idx: Sequence[int] | None) -> float:
+        base = statistic(baseline, idx)
+        d = statistic(method, idx) - base
+        if not relative:
+            return d
+        return d / base if base else math.nan
+
+    low, high = stats.percentile_ci(len(method), diff, draws, seed)
+    return diff(None), low, high
