@@ -11,7 +11,8 @@ loaded with `AutoModelForImageTextToText` / `AutoProcessor` like any real LLaVA:
 
 Prompt layout (GIFT spec §2), one string per query:
 
-    [system "image :"][visual: <sink> x k, <image> x 64][query "is there a red circle ?"][tail " answer :"]
+    [system "image :"][visual: <sink> x k, <image> x 64][query "is there a red circle ?"]
+    [tail " answer :"]
 
 `prompt_spans` returns v0..v1 (visual, sinks included) and q0..q1 (query), inclusive as in the
 spec, and checks them against the decoded tokens. The `k` attention-sink tokens (GIFT spec §4:

@@ -272,7 +272,8 @@ def generate(cfg: Config, n: int, seed: int | str, *, split: str = "train",
     return rows
 
 
-def generate_splits(cfg: Config, sizes: dict[str, int], seed: int) -> dict[str, list[dict[str, Any]]]:
+def generate_splits(cfg: Config, sizes: dict[str, int], seed: int
+                    ) -> dict[str, list[dict[str, Any]]]:
     """Splits disjoint on `content`, drawn in the order of `sizes` (held-out first)."""
     out: dict[str, list[dict[str, Any]]] = {}
     used: set[str] = set()

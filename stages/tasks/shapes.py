@@ -337,7 +337,8 @@ def generate(cfg: Config, n: int, seed: int | str, *, split: str = "train",
     return rows
 
 
-def generate_splits(cfg: Config, sizes: dict[str, int], seed: int) -> dict[str, list[dict[str, Any]]]:
+def generate_splits(cfg: Config, sizes: dict[str, int], seed: int
+                    ) -> dict[str, list[dict[str, Any]]]:
     """Image rows per split, pixel-disjoint; drawn in the order of `sizes` (held-out first)."""
     out: dict[str, list[dict[str, Any]]] = {}
     used: set[str] = set()
@@ -517,8 +518,8 @@ def chair(scores: Sequence[dict[str, int]]) -> dict[str, float]:
     recall = tp / (tp + fn) if tp + fn else nan
     f1 = (2 * precision * recall / (precision + recall)
           if tp and precision + recall else (0.0 if tp + fp + fn else nan))
-    return {"chair_s": sum(1 for s in scores if s["fp"]) / n if n else nan,
-            "chair_i": fp / mentioned if mentioned else nan,
+    return {"chair_sentence": sum(1 for s in scores if s["fp"]) / n if n else nan,
+            "chair_instance": fp / mentioned if mentioned else nan,
             "precision": precision, "recall": recall, "f1": f1, "captions": float(n)}
 
 

@@ -134,6 +134,5 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
 
 def headline(metrics: dict[str, float]) -> dict[str, float]:
     """DVC metrics: test sizes, the planted prior in train vs test, the text compression."""
-    keys = ("shapes_test_images", "shapes_train_cooccur_rate", "shapes_test_cooccur_rate",
-            "text_test_rows", "text_test_chars_per_token")
+    keys = ("shapes_train_cooccur_rate", "shapes_test_cooccur_rate", "text_test_chars_per_token")
     return {k: metrics[k] for k in keys if k in metrics}

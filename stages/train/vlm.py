@@ -418,11 +418,18 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
                 out / f"seed{seed}", cfg.register_as,
                 [f"seed-{seed}"] + (["champion"] if i == 0 else []),
                 tags={"paperline.seed": str(seed), "vlm.family": cfg.family, "vlm.init": cfg.init,
-                      "n_params": str(int(metrics["n_params"]))})
+                      "n_params": str(int(metrics["n_params"]))},
+                artifact_path=f"model-seed{seed}")   # one run registers a version per seed
     return metrics
 
 
 def headline(metrics: dict[str, float]) -> dict[str, float]:
-    """DVC metrics: size and the final training loss of each seed."""
-    keys = ["n_params", "vocab_size"] + sorted(k for k in metrics if k.endswith("/train_loss"))
-    return {k: metrics[k] for k in keys if k in metrics}
+    """DVC metrics: the model's size and its final training loss (mean over seeds); each seed's
+    in details/<stage>.json."""
+    from stages.core.stats import mean_std
+
+    out = {k: metrics[k] for k in ("n_params",) if k in metrics}
+    losses = [v for k, v in metrics.items() if k.endswith("/train_loss")]
+    if losses:
+        out["train_loss"] = mean_std(losses)[0]
+    return out

@@ -169,8 +169,8 @@ def test_chair_hand_computed():
     assert scores[0] == {"mentioned": 2, "tp": 1, "fp": 1, "fn": 0}
     assert scores[1] == {"mentioned": 2, "tp": 2, "fp": 0, "fn": 1}
     c = shapes.chair(scores)
-    assert c["chair_s"] == 0.5                       # 1 of 2 captions hallucinates
-    assert c["chair_i"] == 0.25                      # 1 of 4 mentions
+    assert c["chair_sentence"] == 0.5                       # 1 of 2 captions hallucinates
+    assert c["chair_instance"] == 0.25                      # 1 of 4 mentions
     assert c["precision"] == 0.75 and c["recall"] == 0.75 and c["f1"] == 0.75
 
 
