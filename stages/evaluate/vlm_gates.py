@@ -113,12 +113,14 @@ def evaluate_shapes(vlm: Any, df: Any, images: list[Any], qa: Any, cfg: Config
     answers = [shapes.parse_yes_no(a) for a in vlm_model.generate(
         vlm, q_prompts, q_images, max_new_tokens=2, batch_size=cfg.batch_size)]
     labels, kinds = qa["label"].to_list(), qa["negative"].to_list()
-    m["yes_no_acc"] = shapes.pope(labels, answers)["acc"]
-    for kind in shapes.NEGATIVES:
+    for kind in shapes.NEGATIVES:        # POPE: the positives + one kind's negatives, balanced
         sel = [i for i, k in enumerate(kinds) if k in ("positive", kind)]
         p = shapes.pope([labels[i] for i in sel], [answers[i] for i in sel])
         m[f"pope_{kind}_acc"], m[f"pope_{kind}_f1"] = p["acc"], p["f1"]
         m[f"pope_{kind}_yes_rate"] = p["yes_rate"]
+    # yes/no accuracy: the mean of the three balanced POPE accuracies (over all questions at
+    # once, 3 negatives per positive, always answering `no` would score 0.75)
+    m["yes_no_acc"] = sum(m[f"pope_{k}_acc"] for k in shapes.NEGATIVES) / len(shapes.NEGATIVES)
     n = min(cfg.sink_rows, len(prompts))
     m["sink_attention"] = sink_attention(vlm, prompts[:n], images[:n])
     samples = [{"id": rid, "target": t, "output": c, "hallucinated": s["fp"]}
@@ -222,7 +224,7 @@ ROWS = (("shapes", "caption_f1", "caption object F1"),
         ("shapes", "caption_recall", "caption object recall"),
         ("shapes", "chair_sentence", "CHAIR_S (captions with a hallucinated object)"),
         ("shapes", "chair_instance", "CHAIR_I (hallucinated / mentioned objects)"),
-        ("shapes", "yes_no_acc", "yes/no accuracy (all questions)"),
+        ("shapes", "yes_no_acc", "yes/no accuracy (mean of the three POPE sets)"),
         ("shapes", "pope_random_f1", "POPE F1, random negatives"),
         ("shapes", "pope_popular_f1", "POPE F1, popular negatives"),
         ("shapes", "pope_adversarial_f1", "POPE F1, adversarial (co-occurrence) negatives"),

@@ -9,6 +9,11 @@ loaded with `AutoModelForImageTextToText` / `AutoProcessor` like any real LLaVA:
     tokens of the prompt -> the project's Llama decoder (4 layers, d=128, 4 heads), which reads
     `inputs_embeds` (LLaVA merges them inside its forward).
 
+Tokenizers are built locally (`build_tokenizer`): words (shapes), characters, or character
+pairs (rendered text: one text token per two glyph cells = per visual token). Prompts are
+encoded piece by piece (`encode_image_prompt`, `encode_text_prompt`) so a piece's tokens never
+depend on its neighbours.
+
 Prompt layout (GIFT spec §2), one string per query:
 
     [system "image :"][visual: <sink> x k, <image> x 64][query "is there a red circle ?"]

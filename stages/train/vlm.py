@@ -8,10 +8,14 @@ split, trains it from scratch by completion-only SFT on the family's tasks, save
 - `shapes` (GIFT, and the later SAME / BridgeVLM substrate): word tokenizer; every train image
   gives its caption (`describe the image .` -> `a red circle and a blue triangle`) and its
   yes/no questions (`is there a green square ?` -> `yes` / `no`).
-- `rendered_text` (CoRe spec §4 phase 1, "pre-train on text answers and on OCR"): character
-  tokenizer; every train row gives OCR (image + `read` -> the content, character for
-  character) and the text-conditioned answer (content as text + question -> answer). The
-  image-conditioned answer is NOT trained here: that is the transfer CoRe studies.
+- `rendered_text` (CoRe spec §4 phase 1, "pre-train on text answers and on OCR"): pair
+  tokenizer (one token per two characters = one visual token); every train page gives OCR
+  (image + `read` -> the content) `ocr_repeats` times and the text-conditioned answer (content
+  as text + question -> answer) `text_qa_repeats` times. The image-conditioned answer is NOT
+  trained here: that is the transfer CoRe studies.
+
+The auxiliary patch loss (`aux_weight`, below `VLMCollator`) is what makes these models look at
+the image within the cpu budget; pipelines/vlm/README.md has the measurements.
 
 Engine: the transformers `Trainer`, as the base model (stages/models/base.py), with a collator
 that puts each batch's images in `pixel_values`; a callback puts the constant sink row back after
