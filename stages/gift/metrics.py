@@ -20,7 +20,7 @@ Per-image records are plain dicts (one row of a parquet table each). Aggregates 
 `idx` (indices into the records, repeats allowed) so `paired_bootstrap` can resample images
 with `stages.core.stats.percentile_ci`, and `stats.claim_from_ci` turns the interval into the
 house verdict. A per-image mean (CHAIR_S, POPE accuracy) can go straight to
-`stats.paired_ci(..., method="bootstrap")` on `chair_s` / `correct` columns.
+`stats.paired_ci(..., method="bootstrap")` on `chair_sentence` / `correct` columns.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def mentioned_objects(caption: str, vocabulary: Sequence[str]) -> set[str]:
 
 def chair_per_image(captions: Sequence[str], objects: Sequence[Sequence[str]],
                     vocabulary: Sequence[str]) -> list[Record]:
-    """One record per caption: mentioned and hallucinated class counts and chair_s (0/1).
+    """One record per caption: mentioned and hallucinated class counts and chair_sentence (0/1).
     `objects[k]` lists the classes really in image k (repeats allowed); each must be in the
     vocabulary, otherwise a hallucination could not be told from a missing class."""
     if len(captions) != len(objects):
@@ -80,7 +80,7 @@ def chair_per_image(captions: Sequence[str], objects: Sequence[Sequence[str]],
         mentioned = mentioned_objects(caption, vocabulary)
         hallucinated = mentioned - present
         records.append({"mentioned": len(mentioned), "hallucinated": len(hallucinated),
-                        "chair_s": float(bool(hallucinated)),
+                        "chair_sentence": float(bool(hallucinated)),
                         "hallucinated_objects": sorted(hallucinated)})
     return records
 
@@ -92,8 +92,8 @@ def chair(records: Sequence[Record], idx: Sequence[int] | None = None) -> dict[s
     if not rows:
         raise ValueError("CHAIR needs at least one caption")
     mentioned = sum(r["mentioned"] for r in rows)
-    return {"chair_s": sum(r["chair_s"] for r in rows) / len(rows),
-            "chair_i": sum(r["hallucinated"] for r in rows) / mentioned if mentioned else math.nan}
+    return {"chair_sentence": sum(r["chair_sentence"] for r in rows) / len(rows),
+            "chair_instance": sum(r["hallucinated"] for r in rows) / mentioned if mentioned else math.nan}
 
 
 # --- POPE ----------------------------------------------------------------------------------------

@@ -232,11 +232,11 @@ def test_chair_counts_mentions_and_hallucinations_by_hand():
                 "A bred circle."]  # whole words only: no mention
     objects = [["red circle", "blue square"], ["red circle", "red circle"], ["blue square"], []]
     records = metrics.chair_per_image(captions, objects, VOCAB)
-    assert [(r["mentioned"], r["hallucinated"], r["chair_s"]) for r in records] == [
+    assert [(r["mentioned"], r["hallucinated"], r["chair_sentence"]) for r in records] == [
         (2, 0, 0.0), (2, 1, 1.0), (1, 1, 1.0), (0, 0, 0.0)]
     assert records[1]["hallucinated_objects"] == ["green triangle"]
-    assert metrics.chair(records) == {"chair_s": 0.5, "chair_i": 0.4}  # 2/4 captions, 2/5 mentions
-    assert metrics.chair(records, [1, 1]) == {"chair_s": 1.0, "chair_i": 0.5}
+    assert metrics.chair(records) == {"chair_sentence": 0.5, "chair_instance": 0.4}  # 2/4 captions, 2/5 mentions
+    assert metrics.chair(records, [1, 1]) == {"chair_sentence": 1.0, "chair_instance": 0.5}
     with pytest.raises(ValueError, match="purple star"):
         metrics.chair_per_image(["x"], [["purple star"]], VOCAB)
 
@@ -252,9 +252,9 @@ def test_pope_counts_by_hand():
 
 def test_paired_bootstrap_resamples_the_same_images_on_both_sides():
     base = metrics.chair_per_image(["a red circle"] * 10, [["blue square"]] * 10, VOCAB)
-    same = metrics.paired_bootstrap(lambda r, i: metrics.chair(r, i)["chair_s"], base, base)
+    same = metrics.paired_bootstrap(lambda r, i: metrics.chair(r, i)["chair_sentence"], base, base)
     assert same == (0.0, 0.0, 0.0)
     fixed = metrics.chair_per_image(["a blue square"] * 10, [["blue square"]] * 10, VOCAB)
-    drop = metrics.paired_bootstrap(lambda r, i: metrics.chair(r, i)["chair_s"], fixed, base,
+    drop = metrics.paired_bootstrap(lambda r, i: metrics.chair(r, i)["chair_sentence"], fixed, base,
                                     relative=True, draws=200)
     assert drop == (-1.0, -1.0, -1.0)
