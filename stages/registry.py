@@ -157,6 +157,14 @@ STAGES: dict[str, dict[str, str]] = {
         "simulate": "stages.maps.simulate",
         "compare": "stages.maps.compare",
     },
+    # GIFT: gaze-shift saliency + balanced attention rescaling (training-free) vs greedy, a
+    # VAF-like uniform visual boost and the visual-only ablation, on the vlm pipeline's
+    # vlm-shapes checkpoints; alpha and layers on the validation split.
+    "gift": {
+        "calibrate": "stages.gift.calibrate",
+        "decode": "stages.gift.decode",
+        "compare": "stages.gift.compare",
+    },
 }
 
 # How each pipeline's README results table is rendered from its DVC metrics ("module:function"
@@ -174,6 +182,7 @@ REPORTS: dict[str, str] = {
     "vlm": "stages.evaluate.vlm_gates:results_table",
     "ampd": "stages.ampd.compare:results_table",
     "maps": "stages.maps.compare:results_table",
+    "gift": "stages.gift.compare:results_table",
 }
 
 # The root README's pipeline table (`paperline report` renders it with the measured `cpu` wall
@@ -208,6 +217,10 @@ PAPERS: dict[str, dict[str, str]] = {
     "vlm": {"paper": "(shared)",
             "compares": "the shapes world and rendered-text tasks and the tiny VLMs (vlm-shapes, "
                         "vlm-text) the vision papers build on, against their gates"},
+    "gift": {"paper": "GIFT, arXiv 2510.22067",
+             "compares": "gaze-shift saliency attention boost with query rescaling vs greedy, a "
+                         "VAF-like visual boost and the visual-only ablation (tiny VLM, CHAIR / "
+                         "POPE)"},
     "ampd": {"paper": "AMPD, arXiv 2602.14516",
              "compares": "local vs remote (incremental) prefill routing, reordering and a replica "
                          "ILP vs Dynamo-like, always-local and colocated serving (simulated)"},

@@ -86,6 +86,7 @@ def sink_attention(vlm: Any, prompts: list[list[int]], images: list[Any]) -> flo
 
 def evaluate_shapes(vlm: Any, df: Any, images: list[Any], qa: Any, cfg: Config
                     ) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    from stages.evaluate import hallucination
     from stages.models import vlm as vlm_model
     from stages.tasks import shapes
 
@@ -96,35 +97,34 @@ def evaluate_shapes(vlm: Any, df: Any, images: list[Any], qa: Any, cfg: Config
             c, s = name.split(" ")
             colours.add(c)
             shape_words.add(s)
+    vocabulary = shapes.class_names(colours, shape_words)
     prompts = [vlm_model.encode_image_prompt(layout, tok, q) for q in df["query"]]
     vlm_model.prompt_spans(prompts[0], tok, layout, df["query"][0])   # the layout holds
     captions = vlm_model.generate(vlm, prompts, images, max_new_tokens=cfg.caption_tokens,
                                   batch_size=cfg.batch_size)
-    scores = [shapes.caption_scores(c, t, colours, shape_words)
-              for c, t in zip(captions, df["objects"].to_list())]
-    ch = shapes.chair(scores)
-    m = {"caption_f1": ch["f1"], "caption_precision": ch["precision"],
-         "caption_recall": ch["recall"], "chair_sentence": ch["chair_sentence"],
+    records = hallucination.chair_per_image(captions, df["objects"].to_list(), vocabulary)
+    ch, f1 = hallucination.chair(records), hallucination.objects_f1(records)
+    m = {"caption_f1": f1["f1"], "caption_precision": f1["precision"],
+         "caption_recall": f1["recall"], "chair_sentence": ch["chair_sentence"],
          "chair_instance": ch["chair_instance"]}
     index = {rid: i for i, rid in enumerate(df["id"].to_list())}
     qa = qa.filter(qa["image_id"].is_in(list(index)))
     q_prompts = [vlm_model.encode_image_prompt(layout, tok, q) for q in qa["query"]]
     q_images = [images[index[i]] for i in qa["image_id"]]
-    answers = [shapes.parse_yes_no(a) for a in vlm_model.generate(
-        vlm, q_prompts, q_images, max_new_tokens=2, batch_size=cfg.batch_size)]
-    labels, kinds = qa["label"].to_list(), qa["negative"].to_list()
+    answers = vlm_model.generate(vlm, q_prompts, q_images, max_new_tokens=2,
+                                 batch_size=cfg.batch_size)
+    labels, kinds = [bool(x) for x in qa["label"].to_list()], qa["negative"].to_list()
     for kind in shapes.NEGATIVES:        # POPE: the positives + one kind's negatives, balanced
         sel = [i for i, k in enumerate(kinds) if k in ("positive", kind)]
-        p = shapes.pope([labels[i] for i in sel], [answers[i] for i in sel])
-        m[f"pope_{kind}_acc"], m[f"pope_{kind}_f1"] = p["acc"], p["f1"]
-        m[f"pope_{kind}_yes_rate"] = p["yes_rate"]
-    # yes/no accuracy: the mean of the three balanced POPE accuracies (over all questions at
-    # once, 3 negatives per positive, always answering `no` would score 0.75)
+        p = hallucination.pope(hallucination.pope_per_item([answers[i] for i in sel],
+                                                           [labels[i] for i in sel]))
+        m[f"pope_{kind}_acc"], m[f"pope_{kind}_f1"] = p["accuracy"], p["f1"]
+        m[f"pope_{kind}_yes_rate"] = p["yes_ratio"]
     m["yes_no_acc"] = sum(m[f"pope_{k}_acc"] for k in shapes.NEGATIVES) / len(shapes.NEGATIVES)
     n = min(cfg.sink_rows, len(prompts))
     m["sink_attention"] = sink_attention(vlm, prompts[:n], images[:n])
-    samples = [{"id": rid, "target": t, "output": c, "hallucinated": s["fp"]}
-               for rid, t, c, s in zip(df["id"], df["target"], captions, scores)]
+    samples = [{"id": rid, "target": t, "output": c, "hallucinated": r["hallucinated"]}
+               for rid, t, c, r in zip(df["id"], df["target"], captions, records)]
     return m, samples
 
 

@@ -55,8 +55,9 @@ SINK_TOKEN = "<sink>"
 LAYOUT_FILE = "paperline_vlm.json"   # the prompt layout saved beside the weights
 
 
-class EagerAttentionRequired(RuntimeError):
-    """A method hooks attention probabilities but the model does not run eager attention."""
+class EagerAttentionRequired(RuntimeError, ValueError):
+    """A method hooks attention probabilities but the model does not run eager attention (a
+    ValueError too: it is a bad model argument, named before any compute)."""
 
 
 class PromptSpanError(ValueError):
@@ -246,16 +247,22 @@ def restore_sinks(model: Any, tokenizer: Any, norm: float) -> None:
 
 
 def require_eager(model: Any) -> None:
-    """Raise EagerAttentionRequired unless the decoder computes explicit attention probabilities.
+    """Raise EagerAttentionRequired unless the decoder computes explicit attention probabilities:
+    the model's (text) config and every decoder attention module's config must say `eager`.
 
-    Hooks on attention probabilities (GIFT) do nothing under SDPA or flash attention, silently."""
+    Hooks on attention probabilities (GIFT) do nothing under SDPA or flash attention, silently.
+    Works on a LLaVA and on a bare language model (e.g. LlamaForCausalLM)."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
         else model.config
-    impl = getattr(config, "_attn_implementation", None)
-    if impl != "eager":
+    impls = {getattr(config, "_attn_implementation", None)}
+    impls |= {m.config._attn_implementation for m in model.modules()
+              if hasattr(m, "layer_idx") and hasattr(m, "o_proj") and hasattr(m, "config")}
+    if impls != {"eager"}:
+        runs = ", ".join(repr(i) for i in sorted(impls, key=str))
         raise EagerAttentionRequired(
-            f"the decoder runs {impl!r} attention: hooks on attention probabilities would be "
-            f"silently ignored. Load it with load_vlm(path, attn_implementation='eager')")
+            f"the decoder runs {runs} attention: hooks on attention probabilities would be "
+            f"silently ignored. Load it with attn_implementation='eager' (load_vlm(path, "
+            f"attn_implementation='eager') or model.set_attn_implementation('eager'))")
 
 
 # --- prompts --------------------------------------------------------------------------------
@@ -263,14 +270,31 @@ def require_eager(model: Any) -> None:
 @dataclass(frozen=True)
 class Spans:
     """Positions in one prompt (inclusive ends, GIFT spec §2): visual v0..v1 (sinks first, then
-    patch tokens), query q0..q1; the system part is [0, v0), the tail (q1, length)."""
+    patch tokens), query q0..q1; the system part is [0, v0), the tail (q1, length). The one
+    definition every vision method uses (GIFT's attention edit, the gates' sink share)."""
 
     v0: int
     v1: int
     q0: int
     q1: int
-    length: int
+    length: int | None = None          # the prompt's token count, where known
     sinks: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.v0 <= self.v1 < self.q0 <= self.q1:
+            raise PromptSpanError(f"spans must satisfy 0 <= v0 <= v1 < q0 <= q1 (visual tokens "
+                                  f"before the query), got {self}")
+        if self.length is not None and self.q1 >= self.length:
+            raise PromptSpanError(f"the query ends at q1 = {self.q1} but the prompt has "
+                                  f"{self.length} tokens")
+
+    @property
+    def n_visual(self) -> int:
+        return self.v1 - self.v0 + 1
+
+    @property
+    def n_query(self) -> int:
+        return self.q1 - self.q0 + 1
 
     @property
     def visual(self) -> slice:

@@ -22,9 +22,9 @@ Two tables per split (both from the same images):
   the absent class that co-occurs most with the image's objects in the TRAIN captions (the planted
   partner where the anchor is present). Train questions use `train_negatives` only.
 
-Verifiers are exact: `mentioned_objects` reads the classes a caption names (a colour word
-followed by a shape word; a bare shape names no class), `caption_scores` gives per-caption true /
-false positives, and `chair` CHAIR_S / CHAIR_I (Rohrbach et al. 2018) over a set of captions.
+The exact object vocabulary is `class_names` (a `<colour> <shape>` phrase; a bare shape names
+no class); CHAIR and POPE counting over it live in stages/evaluate/hallucination.py, shared by
+the gates and the papers.
 Everything is deterministic in the seed (private `random.Random` / numpy generators).
 """
 
@@ -483,65 +483,7 @@ def vocabulary(cfg: Config) -> tuple[set[str], set[str]]:
     return set(cfg.colours), set(cfg.shapes)
 
 
-def mentioned_objects(text: str, colours: Iterable[str], shapes: Iterable[str]) -> list[str]:
-    """Classes a caption names, in order, each once: a colour word directly followed by a shape
-    word (`a red circle` -> `red circle`). Case and punctuation are ignored; a bare shape or
-    colour names no class (CHAIR's exact vocabulary: only full class names count)."""
-    colours, shapes = set(colours), set(shapes)
-    words = [w.strip(".,;:!?") for w in text.lower().split()]
-    found: list[str] = []
-    for a, b in zip(words, words[1:]):
-        if a in colours and b in shapes and f"{a} {b}" not in found:
-            found.append(f"{a} {b}")
-    return found
-
-
-def caption_scores(text: str, truth: Sequence[str], colours: Iterable[str],
-                   shapes: Iterable[str]) -> dict[str, int]:
-    """Per caption: mentioned classes, true positives, hallucinated (false positives), missed."""
-    said = mentioned_objects(text, colours, shapes)
-    real = set(truth)
-    tp = sum(1 for c in said if c in real)
-    return {"mentioned": len(said), "tp": tp, "fp": len(said) - tp, "fn": len(real) - tp}
-
-
-def chair(scores: Sequence[dict[str, int]]) -> dict[str, float]:
-    """CHAIR_S (share of captions with >= 1 hallucinated class), CHAIR_I (hallucinated / all
-    mentioned classes), and object precision / recall / F1 pooled over captions."""
-    n = len(scores)
-    mentioned = sum(s["mentioned"] for s in scores)
-    tp = sum(s["tp"] for s in scores)
-    fp = sum(s["fp"] for s in scores)
-    fn = sum(s["fn"] for s in scores)
-    nan = float("nan")
-    precision = tp / (tp + fp) if tp + fp else nan
-    recall = tp / (tp + fn) if tp + fn else nan
-    f1 = (2 * precision * recall / (precision + recall)
-          if tp and precision + recall else (0.0 if tp + fp + fn else nan))
-    return {"chair_sentence": sum(1 for s in scores if s["fp"]) / n if n else nan,
-            "chair_instance": fp / mentioned if mentioned else nan,
-            "precision": precision, "recall": recall, "f1": f1, "captions": float(n)}
-
-
-def parse_yes_no(text: str) -> int | None:
-    """1 for an answer starting with `yes`, 0 for `no`, None otherwise."""
-    words = text.strip().lower().split()
-    first = words[0].strip(".,!") if words else ""
-    return 1 if first == "yes" else 0 if first == "no" else None
-
-
-def pope(labels: Sequence[int], answers: Sequence[int | None]) -> dict[str, float]:
-    """POPE accuracy / precision / recall / F1 with `yes` the positive class; an unparsable
-    answer counts as wrong (it is neither yes nor no) and is reported as `invalid`."""
-    n = len(labels)
-    tp = sum(1 for y, a in zip(labels, answers) if y == 1 and a == 1)
-    fp = sum(1 for y, a in zip(labels, answers) if y == 0 and a == 1)
-    fn = sum(1 for y, a in zip(labels, answers) if y == 1 and a != 1)
-    correct = sum(1 for y, a in zip(labels, answers) if a == y)
-    nan = float("nan")
-    precision = tp / (tp + fp) if tp + fp else nan
-    recall = tp / (tp + fn) if tp + fn else nan
-    f1 = 2 * tp / (2 * tp + fp + fn) if tp + fp + fn else nan
-    return {"acc": correct / n if n else nan, "precision": precision, "recall": recall, "f1": f1,
-            "yes_rate": sum(1 for a in answers if a == 1) / n if n else nan,
-            "invalid": sum(1 for a in answers if a is None) / n if n else nan}
+def class_names(colours: Iterable[str], shapes: Iterable[str]) -> list[str]:
+    """The exact object vocabulary: every `<colour> <shape>` phrase (CHAIR counts only these;
+    stages/evaluate/hallucination.py does the counting)."""
+    return [f"{c} {s}" for c in sorted(colours) for s in sorted(shapes)]

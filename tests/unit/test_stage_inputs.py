@@ -90,6 +90,8 @@ INPUTS: dict[str, Callable[[], FrameSpec]] = {
     "vlm/shapes images": _attr("stages.tasks.shapes", "expectations", None, "train"),
     "vlm/shapes questions": _attr("stages.tasks.shapes", "question_expectations", None, "train"),
     "vlm/rendered_text pages": _attr("stages.tasks.rendered_text", "expectations", None, "train"),
+    "gift/captions (compare)": _attr("stages.gift.decode", "captions_spec"),
+    "gift/pope (compare)": _attr("stages.gift.decode", "pope_spec"),
 }
 
 # Modules reading through the loader with a spec built inside the reading function; their
@@ -220,7 +222,7 @@ def test_every_reading_module_is_covered():
                "stages/trace/policy.py", "stages/serving/workload.py",
                "stages/ampd/compare.py", "stages/maps/compare.py", "stages/maps/simulate.py",
                "stages/maps/workload.py", "stages/agents/trajectories.py",
-               "stages/train/vlm.py"} | set(INLINE)
+               "stages/train/vlm.py", "stages/gift/compare.py"} | set(INLINE)
     readers = set()
     for path in (REPO / "stages").rglob("*.py"):
         tree = ast.parse(path.read_text())

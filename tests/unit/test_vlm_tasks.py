@@ -146,43 +146,6 @@ def test_questions_one_positive_and_one_per_kind():
                    shapes.question_expectations(cfg, "test"), "qa")
 
 
-# --- shapes: CHAIR and POPE counting ----------------------------------------------------------
-
-def test_mentioned_objects_exact_vocabulary():
-    colours, kinds = {"red", "blue"}, {"circle", "square"}
-    assert shapes.mentioned_objects("A Red circle, and a blue square.", colours, kinds) == [
-        "red circle", "blue square"]
-    assert shapes.mentioned_objects("a circle and a red thing", colours, kinds) == []
-    assert shapes.mentioned_objects("a red circle and a red circle", colours, kinds) == [
-        "red circle"]
-
-
-def test_chair_hand_computed():
-    colours, kinds = {"red", "blue", "green"}, {"circle", "square", "triangle"}
-    scores = [
-        # names red circle (right) and blue triangle (hallucinated)
-        shapes.caption_scores("a red circle and a blue triangle", ["red circle"], colours, kinds),
-        # both right, misses green square
-        shapes.caption_scores("a red circle and a blue square",
-                              ["red circle", "blue square", "green square"], colours, kinds),
-    ]
-    assert scores[0] == {"mentioned": 2, "tp": 1, "fp": 1, "fn": 0}
-    assert scores[1] == {"mentioned": 2, "tp": 2, "fp": 0, "fn": 1}
-    c = shapes.chair(scores)
-    assert c["chair_sentence"] == 0.5                       # 1 of 2 captions hallucinates
-    assert c["chair_instance"] == 0.25                      # 1 of 4 mentions
-    assert c["precision"] == 0.75 and c["recall"] == 0.75 and c["f1"] == 0.75
-
-
-def test_pope_hand_computed():
-    labels = [1, 1, 0, 0]
-    answers = [1, None, 1, 0]                        # tp, unparsable, fp, tn
-    p = shapes.pope(labels, answers)
-    assert p["acc"] == 0.5 and p["precision"] == 0.5 and p["recall"] == 0.5
-    assert p["f1"] == 0.5 and p["invalid"] == 0.25 and p["yes_rate"] == 0.5
-    assert [shapes.parse_yes_no(t) for t in ("yes", " No.", "maybe", "")] == [1, 0, None, None]
-
-
 # --- shapes: bad params and bad data ----------------------------------------------------------
 
 @pytest.mark.parametrize("kwargs, message", [
