@@ -2,10 +2,10 @@
 
 Per seed, on the test splits, with greedy decoding:
 - `vlm-shapes`: caption object precision / recall / F1 and CHAIR_S / CHAIR_I (exact class
-  vocabulary, stages/tasks/shapes.py); POPE-style yes/no accuracy and F1 on random, popular and
-  adversarial negatives; and where the caption prompt's last token looks among the visual
-  tokens (the share of its visual attention on the constant sinks, averaged over layers and
-  heads: GIFT spec §4 asks to check the sink before anything else).
+  vocabulary `shapes.class_names`, counted by stages/evaluate/hallucination.py); POPE-style
+  yes/no accuracy and F1 on random, popular and adversarial negatives; and where the caption
+  prompt's last token looks among the visual tokens (the share of its visual attention on the
+  constant sinks, averaged over layers and heads: GIFT spec §4 asks to check the sink first).
 - `vlm-text`: OCR exact match and character accuracy on the rendered images; accuracy of the
   text-conditioned answer (trained) and of the image-conditioned answer (never trained: the
   transfer gap CoRe starts from); the compression ratio (characters per visual token).

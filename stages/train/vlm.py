@@ -76,12 +76,6 @@ class Config(BaseModel):
                                                  "own output layer (one slot only): a visual "
                                                  "token then already points at the token its "
                                                  "patch shows")
-    aux_embed_weight: float = Field(
-        0.0, ge=0, le=100,
-        description="shapes: weight of a second patch loss that pulls each object patch's "
-                    "projected token towards the decoder's input embeddings of its colour and "
-                    "shape words (stop-gradient on the embeddings): the image then speaks the "
-                    "query's vocabulary, so a yes/no question can be matched by attention")
     text_cell: tuple[int, int] = Field((4, 8), description="rendered_text: glyph cell (w, h) "
                                                            "in pixels, for the patch targets")
     # Optimisation (as stages/models/base.py).
@@ -296,24 +290,6 @@ def attach_aux_head(model: Any, slots: int, vocab: int, lm_head: bool = False
     return seen
 
 
-def embed_loss(model: Any, features: Any, wanted: Any, pad_id: int) -> Any:
-    """Relative squared distance between each object patch's projected token and the sum of
-    the decoder's input embeddings of the words it should name (shapes: colour + shape), the
-    embeddings held fixed (stop-gradient). Why: with separate vocabularies, a yes/no question
-    (`is there a red circle ?`) must be matched against the patches by a circuit the decoder
-    did not form within 1,500 steps (README); a text copy of the object list is matched by
-    attention between equal embeddings and learns in ~650. Background patches are left free."""
-    import torch
-
-    emb = model.get_input_embeddings().weight.detach()
-    keep = (wanted != pad_id).all(-1)                         # (images, tokens)
-    if not keep.any():
-        return features.sum() * 0.0
-    target = emb[wanted[keep]].sum(-2)                        # (n, d)
-    got = features[keep]
-    return ((got - target) ** 2).sum(-1).mean() / (target ** 2).sum(-1).mean().clamp(min=1e-8)
-
-
 def detach_aux_head(model: Any, seen: dict[str, Any]) -> None:
     seen["hook"].remove()
     del model.aux_head          # with lm_head: only the second name goes, the layer stays
@@ -361,10 +337,6 @@ def train_one(cfg: Config, vlm: vlm_model.VLM, examples: list[dict[str, Any]], i
                     logits.reshape(-1, len(tokenizer)), wanted.reshape(-1).to(logits.device))
                 aux_losses.append(float(extra.detach()))
                 loss = loss + cfg.aux_weight * extra
-                if cfg.aux_embed_weight > 0:
-                    loss = loss + cfg.aux_embed_weight * embed_loss(
-                        model, aux["features"], wanted.to(logits.device),
-                        tokenizer.pad_token_id)
             return (loss, outputs) if return_outputs else loss
 
     class Callbacks(TrainerCallback):
