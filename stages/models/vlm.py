@@ -75,10 +75,6 @@ class Layout(BaseModel):
     text_system: str = Field("text :", description="text-only prompts: text before the content")
     sink_tokens: int = Field(2, ge=0, le=16, description="constant <sink> tokens per image")
     image_tokens: int = Field(64, ge=1, description="<image> tokens per image (patch tokens)")
-    query_before_image: bool = Field(
-        False, description="also state the query before the system text, so that every visual "
-                           "position can attend to it (the spans still point at the query after "
-                           "the image)")
 
 
 class Spec(BaseModel):
@@ -316,9 +312,8 @@ class Spans:
 
 def image_prompt(layout: Layout, query: str) -> str:
     """The prompt string of one image and one query (`<image>` expands in the processor)."""
-    lead = f"{query}{layout.sep}" if layout.query_before_image else ""
-    return f"{lead}{layout.system}{SINK_TOKEN * layout.sink_tokens}{IMAGE_TOKEN}{layout.sep}" \
-           f"{query}{layout.tail}"
+    return f"{layout.system}{SINK_TOKEN * layout.sink_tokens}{IMAGE_TOKEN}{layout.sep}{query}" \
+           f"{layout.tail}"
 
 
 def text_prompt(layout: Layout, content: str, query: str) -> str:
@@ -339,10 +334,7 @@ def encode_image_prompt(layout: Layout, tokenizer: Any, query: str) -> list[int]
     (system, separator, query, tail) tokenized on its own, so a piece's tokens never depend on
     its neighbours (for the word and character tokenizers this is what the processor gives on
     the whole string; tests check it)."""
-    ids = _bos(tokenizer)
-    if layout.query_before_image:
-        ids += _piece_ids(tokenizer, query) + _piece_ids(tokenizer, layout.sep)
-    ids += _piece_ids(tokenizer, layout.system)
+    ids = _bos(tokenizer) + _piece_ids(tokenizer, layout.system)
     ids += [tokenizer.convert_tokens_to_ids(SINK_TOKEN)] * layout.sink_tokens
     ids += [tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)] * layout.image_tokens
     for piece in (layout.sep, query, layout.tail):

@@ -70,21 +70,6 @@ def test_spans_hand_computed(world):
     assert batch["input_ids"][0].tolist() == ids
 
 
-def test_query_before_image_keeps_the_spans_on_the_query_after_it(world):
-    tok = world["tok"]
-    layout = world["layout"].model_copy(update={"query_before_image": True})
-    ids = vm.encode_image_prompt(layout, tok, QUERY)
-    # <bos> is there a red circle ? image : | <sink> <sink> <image> x 64 | is there ... ? | answer :
-    assert len(ids) == 1 + 6 + 2 + 2 + 64 + 6 + 2
-    assert tok.convert_ids_to_tokens(ids[1:7]) == QUERY.split()
-    s = vm.prompt_spans(ids, tok, layout, QUERY)
-    assert (s.v0, s.v1, s.q0, s.q1, s.length) == (9, 74, 75, 80, 83)
-    vlm = tiny(world)
-    batch = vlm.processor(images=[world["images"][0]], text=[vm.image_prompt(layout, QUERY)],
-                          return_tensors="pt")
-    assert batch["input_ids"][0].tolist() == ids
-
-
 def test_spans_follow_left_padding(world):
     tok, layout = world["tok"], world["layout"]
     ids = vm.encode_image_prompt(layout, tok, QUERY)
