@@ -62,3 +62,19 @@ def test_shapes_class_names_are_the_exact_vocabulary():
     assert [(r["mentioned"], r["hallucinated"], r["missed"]) for r in records] == [
         (1, 0, 0), (0, 0, 1)]
     assert math.isclose(metrics.objects_f1(records)["recall"], 0.5)
+
+
+def test_paired_ratio_bootstrap_by_hand():
+    # CHAIR_I as a ratio of sums: method 1/4 hallucinated mentions, baseline 2/4
+    num_m, den_m = [0, 1, 0, 0], [1, 1, 1, 1]
+    num_b, den_b = [1, 1, 0, 0], [1, 1, 1, 1]
+    diff, low, high, per_pair = metrics.paired_ratio_bootstrap(num_m, den_m, num_b, den_b,
+                                                               draws=500)
+    assert diff == pytest.approx(-0.25) and low <= diff <= high
+    assert per_pair == pytest.approx([-1.0, 0.0, 0.0, 0.0])       # mean = the difference
+    rel = metrics.paired_ratio_bootstrap(num_m, den_m, num_b, den_b, relative=True, draws=500)
+    assert rel[0] == pytest.approx(-0.5)                           # -0.25 / 0.5
+    same = metrics.paired_ratio_bootstrap(num_b, den_b, num_b, den_b, draws=200)
+    assert same[:3] == (0.0, 0.0, 0.0)
+    with pytest.raises(ValueError, match="equally long"):
+        metrics.paired_ratio_bootstrap([1], [1], [1, 2], [1, 1])
