@@ -316,6 +316,10 @@ def up(root: Path, prefect_port: int | None = None, mlflow_port: int | None = No
             penv.pop("PREFECT_API_URL", None)
             for k in [k for k in penv if k.startswith(("AWS_", "PAPERLINE_S3_"))]:
                 del penv[k]  # the Prefect server never needs S3 credentials
+            # The UI asks `/ui-settings` where the API is; by default that names port 4200
+            # whatever `--port` says, and the UI then shows only "Can't connect to Server API".
+            # A path relative to the page works on every port and every address a browser uses.
+            penv["PREFECT_UI_API_URL"] = "/api"
             _spawn(root, "prefect", [_bin("prefect"), "server", "start", "--host", bind,
                                      "--port", str(p["prefect"])], penv)
             started.append("prefect")

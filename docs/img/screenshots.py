@@ -1,11 +1,12 @@
-"""The README's MLflow screenshots, taken as a person sees them: headless Chromium on the stack's
-MLflow UI of a repo where `paperline repro racer` ran (any profile).
+"""The README's screenshots, taken as a person sees them: headless Chromium on the stack's MLflow
+and Prefect UIs of a repo where `paperline repro racer` ran (any profile).
 
     python docs/img/screenshots.py [REPO]      # default: this repo; writes docs/img/*.png
 
-Starts the stack's MLflow server if it is not up (and stops it again), opens MLflow's own
-Compare page for the racer routers and baselines at one budget (seed 0) and the experiment's
-runs table. Needs Debian's chromium (`apt-get install chromium`).
+Starts the stack's MLflow and Prefect servers if they are not up (and stops them again), opens
+MLflow's own Compare page for the racer routers and baselines at one budget (seed 0), the
+experiment's runs table, and Prefect's run form of deployment `paperline-racer` (created or
+updated here). Needs Debian's chromium (`apt-get install chromium`).
 """
 
 from __future__ import annotations
@@ -70,6 +71,29 @@ def main(repo: Path) -> None:
                 f"&experiments={quote(json.dumps([exp.experiment_id]))}"
                 "&workflowType=machine_learning")
         print(shoot(page, HERE / "mlflow-compare.png", "1700,2000"))
+    finally:
+        if started:
+            stack.down(repo, quiet=True)
+    prefect_run_form(repo)
+
+
+def prefect_run_form(repo: Path) -> None:
+    """Prefect's *Custom run* form of `paperline-racer`: what a person fills in to run it."""
+    import httpx
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.deploy import deploy_all
+
+    started = stack.prefect_api_url(repo) is None
+    if started:
+        stack.up(repo, prefect_port=stack.free_port(), components=("prefect",), quiet=True)
+    try:
+        api = stack.prefect_api_url(repo)
+        with temporary_settings(updates={PREFECT_API_URL: api}):
+            deploy_all(repo, pipelines=["racer"])
+        dep = httpx.get(f"{api}/deployments/name/paperline/paperline-racer", timeout=30).json()
+        print(shoot(f"{api.removesuffix('/api')}/v2/deployments/deployment/{dep['id']}/run",
+                    HERE / "prefect-run-form.png", "1400,1350"))
     finally:
         if started:
             stack.down(repo, quiet=True)

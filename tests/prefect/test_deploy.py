@@ -6,6 +6,10 @@ test_runner.py."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+
 import httpx
 import pytest
 
@@ -51,3 +55,33 @@ def test_run_form_and_results_artifact(prefect_server, tmp_path):  # noqa: F811
     # the run's stage table (the results part below it may name any section of the toy params)
     table = found[0]["data"].split("## Stages of this run", 1)[1].split("```")[1]
     assert "a_1" in table and "a_2" in table and "ran" in table and "join" not in table
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+# CI installs chromium (.ci/run): there a missing browser is a failure, not a skip
+@pytest.mark.skipif(CHROMIUM is None and not os.environ.get("CI"),
+                    reason="needs Debian's chromium (apt-get install chromium)")
+def test_run_form_renders_in_a_browser(prefect_server, tmp_path):  # noqa: F811
+    """The run form as a person opens it: the UI asks `/ui-settings` where the API is, so a
+    server on any port but 4200 showed only "Can't connect to Server API" until the stack set
+    the UI's API URL (flows/stack.py)."""
+    repo = make_repo(tmp_path / "repo", sleep=0.0)
+    deploy_all(repo, pipelines=["base"])
+    base = prefect_server.removesuffix("/api")
+    with httpx.Client(base_url=base, timeout=30) as client:
+        dep = client.get("/api/deployments/name/paperline/paperline-base").json()
+        api = httpx.URL(base + "/").join(client.get("/ui-settings").json()["api_url"])
+        assert client.get(f"{api}/health").json() is True, api  # where the UI will send requests
+    proc = subprocess.run(
+        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1400,1900",
+         "--virtual-time-budget=30000", "--dump-dom",
+         f"{base}/v2/deployments/deployment/{dep['id']}/run"],
+        capture_output=True, text=True, timeout=180)
+    dom = proc.stdout
+    assert "connect to Server API" not in dom and "Something went wrong" not in dom, dom[-2000:]
+    for label in ("profile (Optional)", "force (Optional)", "targets (Optional)", "Submit"):
+        assert label in dom, (label, proc.stderr[-2000:])
