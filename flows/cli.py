@@ -130,31 +130,36 @@ def _repro(root: Path, pipelines: list[str], args: argparse.Namespace) -> int:
         sync_gaps(root)
     dvc = shutil.which("dvc") or str(Path(sys.executable).with_name("dvc"))
     spool = tracking_mode() == "on"  # stages spool, replayed here (tracking.py docstring)
-    for p in pipelines:
-        env = dict(os.environ)
-        if spool:
-            parent = spool_parent(root, p, tags={"paperline.executor": "dvc repro"})
-            env[MODE_ENV] = "spool"
-        else:
-            parent = start_parent_run(root, p, tags={"paperline.executor": "dvc repro"})
-        if parent:
-            env[PARENT_ENV] = parent
-        cmd = [dvc, "repro", _dvcfile(root, p), *(["--force"] if args.force else [])]
-        print(f"$ {' '.join(cmd[1:])}", flush=True)
-        # a killed `paperline repro` takes its dvc, and dvc its stage, along (stages/core/proc.py)
-        rc = subprocess.run(cmd, cwd=root, env=env, preexec_fn=kill_with_parent()).returncode
-        if spool:
-            parent = finish_spooled_parent(root, parent, rc == 0).get("parent_run_id")
-        else:
-            _close_parent(root, parent, rc == 0)
-        if rc != 0:
-            print(f"error: `dvc repro` of pipeline {p!r} failed (exit {rc})", file=sys.stderr)
-            return rc
-        update_readme(root, p)
-        if parent:  # the execution's summary in MLflow: results table, plots, metrics
-            from flows.results import log_results
+    from stages.core import forkserver
 
-            log_results(root, p, parent)
+    # one process imports torch & co. once; each stage runs in a fork of it (forkserver.py)
+    with forkserver.running(root, dict(os.environ)) as stage_env:
+        for p in pipelines:
+            env = dict(stage_env)
+            if spool:
+                parent = spool_parent(root, p, tags={"paperline.executor": "dvc repro"})
+                env[MODE_ENV] = "spool"
+            else:
+                parent = start_parent_run(root, p, tags={"paperline.executor": "dvc repro"})
+            if parent:
+                env[PARENT_ENV] = parent
+            cmd = [dvc, "repro", _dvcfile(root, p), *(["--force"] if args.force else [])]
+            print(f"$ {' '.join(cmd[1:])}", flush=True)
+            # a killed `paperline repro` takes its dvc, and dvc its stage, along (core/proc.py)
+            rc = subprocess.run(cmd, cwd=root, env=env, preexec_fn=kill_with_parent()).returncode
+            if spool:
+                parent = finish_spooled_parent(root, parent, rc == 0).get("parent_run_id")
+            else:
+                _close_parent(root, parent, rc == 0)
+            if rc != 0:
+                print(f"error: `dvc repro` of pipeline {p!r} failed (exit {rc})",
+                      file=sys.stderr)
+                return rc
+            update_readme(root, p)
+            if parent:  # the execution's summary in MLflow: results table, plots, metrics
+                from flows.results import log_results
+
+                log_results(root, p, parent)
     for p in pipelines:
         print(f"\n## Results: {p}\n")
         print(results_table(root, p))

@@ -46,4 +46,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from stages.core import forkserver
+
+    # under `paperline repro`: run in a fork of a process that has torch & co. imported
+    code = forkserver.delegate(sys.argv[1:])
+    sys.exit(main() if code is None else code)

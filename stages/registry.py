@@ -165,6 +165,26 @@ STAGES: dict[str, dict[str, str]] = {
         "decode": "stages.gift.decode",
         "compare": "stages.gift.compare",
     },
+    # DDR: question-free exploration of per-patient SQLite databases (read-only, SELECT-only
+    # guard) scored on hidden checklists; a tiny Llama explorer imitating the scripted
+    # breadth-first one, against scripted breadth/depth/random/reactive reference arms.
+    "ddr": {
+        "databases": "stages.ddr.databases",
+        "expert": "stages.ddr.expert",
+        "train_explorer": "stages.ddr.train_explorer",
+        "explore": "stages.ddr.explore",
+        "score": "stages.ddr.score",
+        "compare": "stages.ddr.compare",
+    },
+    # Refine-Prover: a toy tactic language with a Python kernel (z3-certified statements, a
+    # Coq `lia` cross-check), a tiny base prover and refiner (cold start + expert iteration), a
+    # value model; i.i.d. sampling vs random / value-guided refinement trees on a budget grid.
+    "refine_prover": {
+        "problems": "stages.refine_prover.problems",
+        "train": "stages.refine_prover.train",
+        "search": "stages.refine_prover.search",
+        "compare": "stages.refine_prover.compare",
+    },
 }
 
 # How each pipeline's README results table is rendered from its DVC metrics ("module:function"
@@ -183,6 +203,8 @@ REPORTS: dict[str, str] = {
     "ampd": "stages.ampd.compare:results_table",
     "maps": "stages.maps.compare:results_table",
     "gift": "stages.gift.compare:results_table",
+    "ddr": "stages.ddr.compare:results_table",
+    "refine_prover": "stages.refine_prover.compare:results_table",
 }
 
 # The root README's pipeline table (`paperline report` renders it with the measured `cpu` wall
@@ -208,6 +230,13 @@ PAPERS: dict[str, dict[str, str]] = {
     "maps": {"paper": "MAPS, arXiv 2609.15359",
              "compares": "predictive, memory-aware dispatch + SJF vs round-robin, least-request, "
                          "Llumnix-like on a simulated PD-disaggregated cluster"},
+    "ddr": {"paper": "DDR, arXiv 2602.02039",
+            "compares": "question-free database exploration: a learned (imitation) explorer vs "
+                        "scripted breadth-first, depth-first, random and reactive explorers"},
+    "refine_prover": {"paper": "Refine-Prover, arXiv 2604.18587",
+                      "compares": "feedback-conditioned proof repair trees (random, value-guided) "
+                                  "vs i.i.d. sampling, long-history and untrained refiners at "
+                                  "equal generation budgets (toy kernel)"},
     "trace": {"paper": "TRACE, arXiv 2605.29656",
               "compares": "Toulmin-structure score of chains of thought: correlation with "
                           "accuracy; GRPO with a TRACE reward"},

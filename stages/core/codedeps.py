@@ -36,6 +36,7 @@ CONTRACT = frozenset({
     "stages/core/codedeps.py",
     "stages/core/config.py",
     "stages/core/context.py",
+    "stages/core/forkserver.py",
     "stages/core/io.py",
     "stages/core/runner.py",
     "stages/core/storage.py",

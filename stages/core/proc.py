@@ -219,6 +219,15 @@ def die_with_parent() -> int:
     return owner
 
 
+def guard_owner(owner: int) -> None:
+    """`die_with_parent` for a stage forked by the fork server (stages/core/forkserver.py): its
+    owner is the client process DVC started, not its parent (the server); it dies with either."""
+    global _GUARD
+    _GUARD = _Guard(os.getppid(), owner)
+    threading.Thread(target=_watch, args=(_GUARD,), name="paperline-owner-watch",
+                     daemon=True).start()
+
+
 # ---------------------------------------------------------------------------------------------
 # One run of a pipeline at a time
 

@@ -78,10 +78,15 @@ INPUTS: dict[str, Callable[[], FrameSpec]] = {
     "serving/trace (ampd simulate, maps simulate)": _attr("stages.serving.workload",
                                                           "trace_spec"),
     "ampd/runs (compare)": _attr("stages.ampd.simulate", "runs_spec"),
+    "refine_prover/problems (train, search)": _attr("stages.refine_prover.problems",
+                                                    "problem_spec"),
+    "refine_prover/results (compare)": _attr("stages.refine_prover.search", "result_spec"),
     "maps/runs (compare)": _attr("stages.maps.simulate", "runs_spec"),
     "maps/pred (simulate)": _attr("stages.maps.workload", "pred_spec"),
     "maps/calibration (simulate)": _attr("stages.maps.workload", "calibration_spec"),
     "maps/lengths (workload)": _attr("stages.maps.workload", "samples_spec"),
+    "ddr/checklist (expert, explore, score)": _attr("stages.ddr.databases", "checklist_spec"),
+    "ddr/insights (score)": _attr("stages.ddr.explore", "insight_spec"),
     "agents/episodes (agents.trajectories.read_rollouts)": _attr(
         "stages.agents.trajectories", "episode_expectations"),
     "agents/steps (agents.trajectories.read_rollouts)": _attr(
@@ -222,7 +227,9 @@ def test_every_reading_module_is_covered():
                "stages/trace/policy.py", "stages/serving/workload.py",
                "stages/ampd/compare.py", "stages/maps/compare.py", "stages/maps/simulate.py",
                "stages/maps/workload.py", "stages/agents/trajectories.py",
-               "stages/train/vlm.py", "stages/gift/compare.py"} | set(INLINE)
+               "stages/train/vlm.py", "stages/gift/compare.py",
+               "stages/ddr/expert.py", "stages/ddr/explore.py", "stages/ddr/score.py",
+               "stages/refine_prover/train.py", "stages/refine_prover/compare.py"} | set(INLINE)
     readers = set()
     for path in (REPO / "stages").rglob("*.py"):
         tree = ast.parse(path.read_text())

@@ -1,0 +1,282 @@
+"""Warm stage start-up: a fork server for `python -m stages`.
+
+Every DVC stage is a fresh `python -m stages <pipeline> <stage>` process, and a stage that loads
+a model spends seconds importing torch and transformers before its work starts (a tiny `smoke`
+stage often spends most of its life there; `benchmarks/RESULTS.md` "Stage start-up"). Under
+`paperline repro`, one server process imports those libraries once, and each stage process
+asks it for a forked copy of itself to run the stage in:
+
+    dvc ── sh -c ── python -m stages p s  (the *client*: what DVC started and waits for)
+                          │  unix socket: argv, cwd, environment, and its stdin/stdout/stderr
+    paperline ── server ──┴── fork ── the stage runs here: `stages.__main__.main(argv)`
+
+What the stage computes does not change: the child starts from the state the server reached by
+importing third-party libraries only (never a `stages` module that computes anything, so a code
+change is always seen), with the client's working directory, environment, argv and standard
+streams, under the same `PYTHONHASHSEED` (stages/core/proc.py), and seeds everything it uses as
+it does in a fresh process. No torch op runs in the server, so no thread pool exists to be lost
+in the fork.
+
+Life and death are the client's, as DVC sees them: the client forwards SIGINT, SIGTERM, SIGHUP
+and SIGQUIT to the child and exits with the child's status (killed by a signal: the client kills
+itself with the same signal); the child dies when the client dies (it watches the client the way
+`proc.die_with_parent` watches a stage's owner, so `proc.check_owner` still refuses to write for
+an abandoned run), and the server dies with `paperline repro`. Where no server answers (plain
+`dvc repro`, a server still importing, a Prefect worker) the client runs the stage itself, as
+before: the server is an optimisation only, never a requirement.
+
+Only processes of this user can connect: the socket lives in a private (0700) directory and the
+server checks each peer's uid (SO_PEERCRED).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from collections.abc import Iterator
+
+ENV = "PAPERLINE_FORKSERVER"  # the socket's path, set for stage processes by `paperline repro`
+# What a model stage imports before its work (torch, transformers' Llama, its Trainer and
+# tokenizers, the data stack). Third-party only: project modules are imported by each child.
+PRELOAD = ("numpy", "polars", "pydantic", "yaml", "torch", "safetensors.torch", "transformers",
+           "transformers.models.llama.modeling_llama", "transformers.trainer",
+           "transformers.models.auto.tokenization_auto")
+# What decides which code a fresh interpreter imports, fixed when the server started: a client
+# whose values differ (a Prefect workspace's PYTHONPATH, say) runs its stage itself.
+SAME_ENV = ("PYTHONPATH", "PYTHONHASHSEED", "PYTHONHOME", "PYTHONSAFEPATH", "VIRTUAL_ENV")
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+_HEADER = struct.Struct("!I")
+
+
+def _send(sock: socket.socket, obj: dict, fds: list[int] | None = None) -> None:
+    data = json.dumps(obj).encode()
+    msg = _HEADER.pack(len(data)) + data
+    if fds:
+        socket.send_fds(sock, [msg], fds)
+    else:
+        sock.sendall(msg)
+
+
+def _recv_exact(sock: socket.socket, n: int, fds: list[int] | None = None) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        if fds is not None and not buf:
+            chunk, got, _, _ = socket.recv_fds(sock, n - len(buf), 8)
+            fds.extend(got)
+        else:
+            chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise EOFError("fork server connection closed")
+        buf += chunk
+    return buf
+
+
+def _recv(sock: socket.socket, fds: list[int] | None = None) -> dict:
+    (size,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size, fds))
+    return json.loads(_recv_exact(sock, size))
+
+
+# ---------------------------------------------------------------------------------------------
+# Client: the `python -m stages` process DVC started
+
+
+def delegate(argv: list[str]) -> int | None:
+    """Run the stage in a forked child of the server named by $PAPERLINE_FORKSERVER and return
+    its exit code; None when no server answers (the caller then runs the stage itself)."""
+    path = os.environ.get(ENV)
+    if not path:
+        return None
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(path)
+    except OSError:
+        sock.close()
+        return None
+    try:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        _send(sock, {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ),
+                     "client": os.getpid()}, [0, 1, 2])
+        child = int(_recv(sock)["pid"])
+    except (OSError, EOFError, ValueError, KeyError):
+        sock.close()
+        return None  # the server could not fork: run here
+
+    def forward(signum: int, _frame: object) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signum)
+
+    for sig in FORWARDED:
+        signal.signal(sig, forward)
+    try:
+        status = _recv(sock)
+    except (OSError, EOFError):  # the server died with the child: as if killed
+        status = {"signal": int(signal.SIGKILL)}
+    if "signal" in status:
+        for sig in FORWARDED:
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(status["signal"], signal.SIG_DFL)
+        os.kill(os.getpid(), status["signal"])
+        time.sleep(1)  # SIGKILL/SIGTERM land before this returns
+        return 128 + int(status["signal"])
+    return int(status["exit"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Server
+
+
+def _run_child(conn: socket.socket, request: dict, fds: list[int]) -> None:
+    """In the forked child: become the stage process the client would have been, run the
+    stage, exit. Never returns."""
+    code = 1
+    try:
+        for target, fd in zip((0, 1, 2), fds):
+            os.dup2(fd, target)
+        for fd in fds:
+            os.close(fd)
+        for stream in (sys.stdin, sys.stdout, sys.stderr):  # fresh buffers on the new fds
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        sys.argv = [sys.argv[0], *request["argv"]]
+        sys.path[0] = request["cwd"]
+        for sig in FORWARDED + (signal.SIGCHLD,):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        conn.close()  # the server keeps its end; the child watches the client by pid
+        from stages.core import proc
+
+        proc.guard_owner(int(request["client"]))
+        main_module = importlib.import_module("stages.__main__")
+        sys.modules["__main__"] = main_module  # what `spawn` workers re-import, as under -m
+        code = main_module.main(request["argv"])
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if not isinstance(exc.code, int) and exc.code is not None:
+            print(exc.code, file=sys.stderr)
+    except KeyboardInterrupt:
+        code = 128 + signal.SIGINT
+    except BaseException:  # noqa: BLE001 (what the interpreter does with an uncaught error)
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        import atexit
+        import logging
+
+        with contextlib.suppress(BaseException):
+            atexit._run_exitfuncs()
+        with contextlib.suppress(BaseException):
+            logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(BaseException):
+                stream.flush()
+        os._exit(code)
+
+
+def _await_child(conn: socket.socket, pid: int) -> None:
+    """In the server: tell the client the child's exit status."""
+    with contextlib.closing(conn):
+        _, status = os.waitpid(pid, 0)
+        with contextlib.suppress(OSError):
+            if os.WIFSIGNALED(status):
+                _send(conn, {"signal": os.WTERMSIG(status)})
+            else:
+                _send(conn, {"exit": os.waitstatus_to_exitcode(status)})
+
+
+def serve(path: str) -> None:
+    """Import the heavy libraries, then fork one child per connection, forever."""
+    for name in PRELOAD:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path + ".tmp")
+    os.rename(path + ".tmp", path)  # connectable only once listening: clients never wait
+    server.listen(64)
+    uid = os.getuid()
+    while True:
+        conn, _ = server.accept()
+        fds: list[int] = []
+        try:
+            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                    struct.calcsize("3i"))
+            if struct.unpack("3i", creds)[1] != uid:
+                raise PermissionError("peer of another user")
+            request = _recv(conn, fds)
+            differs = [k for k in SAME_ENV if request["env"].get(k) != os.environ.get(k)]
+            if differs:  # a fresh interpreter would import other code: let the client run it
+                _send(conn, {"refused": f"{', '.join(differs)} differ from the server's"})
+                raise ValueError(differs)
+            pid = os.fork()
+        except (OSError, EOFError, ValueError):
+            for fd in fds:
+                os.close(fd)
+            conn.close()
+            continue
+        if pid == 0:
+            server.close()
+            _run_child(conn, request, fds)
+        for fd in fds:
+            os.close(fd)
+        try:
+            _send(conn, {"pid": pid})
+        except OSError:
+            pass  # the client is gone; the child watches it and dies too
+        threading.Thread(target=_await_child, args=(conn, pid), daemon=True).start()
+
+
+@contextlib.contextmanager
+def running(root: Path, env: dict[str, str]) -> Iterator[dict[str, str]]:
+    """A fork server for the stages of one `paperline repro`: yields `env` with $ENV set (the
+    stages use the server once it is ready, and start normally before that); stops it by its
+    PID on exit. `PAPERLINE_FORKSERVER=off` in `env` turns it off."""
+    if env.get(ENV, "").lower() in ("off", "0", "false") or not hasattr(socket, "send_fds"):
+        yield {k: v for k, v in env.items() if k != ENV}
+        return
+    from stages.core.proc import HASH_SEED, kill_with_parent
+
+    folder = tempfile.mkdtemp(prefix="paperline-fs-")  # 0700: only this user connects
+    path = os.path.join(folder, "sock")
+    server_env = dict(env, PYTHONHASHSEED=HASH_SEED)  # the seed every stage runs under
+    server_env.pop(ENV, None)
+    proc = subprocess.Popen([sys.executable, "-m", "stages.core.forkserver", path],
+                            cwd=root, env=server_env, stdin=subprocess.DEVNULL,
+                            preexec_fn=kill_with_parent())
+    try:
+        yield dict(env, **{ENV: path})
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        for name in ("sock", "sock.tmp"):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(folder, name))
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)
+
+
+if __name__ == "__main__":
+    from stages.core import proc as _proc
+
+    _proc.fixed_hash_seed()
+    _proc.die_with_parent()
+    serve(sys.argv[1])

@@ -1,0 +1,109 @@
+"""The fork server of `paperline repro` (stages/core/forkserver.py): a stage asked of it runs in a
+fork of the server with the client's streams, exit code and life; with no server the client runs
+the stage itself. That the bytes do not depend on it: tests/pipelines/test_same_bytes_clones.py
+(run 1 forked, run 2 not)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from stages.core import forkserver
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _wait_ready(path: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, "fork server never listened"
+        time.sleep(0.2)
+
+
+def _stage(cwd: Path, env: dict, *argv: str, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "stages", *argv], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def _server(env_path: str) -> psutil.Process:
+    (server,) = [p for p in psutil.Process().children(recursive=True)
+                 if "stages.core.forkserver" in " ".join(p.cmdline())
+                 and env_path in p.cmdline()]
+    return server
+
+
+def test_errors_come_back_through_the_clients_streams_and_exit_code():
+    base = dict(os.environ)
+    with forkserver.running(REPO, base) as env:
+        path = env[forkserver.ENV]
+        _wait_ready(path)
+        forked = _stage(REPO, env, "nosuch", "tasks")
+        out, err = forked.communicate(timeout=120)
+        plain = _stage(REPO, {**base, forkserver.ENV: "off"}, "nosuch", "tasks")
+        p_out, p_err = plain.communicate(timeout=120)
+        server = _server(path)
+    assert forked.returncode == plain.returncode == 2
+    assert "nosuch" in err and err == p_err and out == p_out
+    # the server is stopped by its PID and its private folder removed
+    assert not psutil.pid_exists(server.pid) or server.status() == psutil.STATUS_ZOMBIE
+    assert not Path(path).parent.exists()
+
+
+def test_no_server_the_client_runs_the_stage_itself(tmp_path: Path):
+    env = {**os.environ, forkserver.ENV: str(tmp_path / "gone.sock")}
+    proc = _stage(REPO, env, "nosuch", "tasks")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "nosuch" in err
+
+
+@pytest.mark.slow
+def test_a_killed_client_takes_its_forked_stage_along(smoke_copy: Path):
+    """`base`'s training stage asked of the server: it runs as the server's child (not the
+    client's), and a SIGKILL of the client (what a killed dvc does to its stage) kills it
+    before it writes its model."""
+    model = smoke_copy / "models" / "base"
+    before = {p.name: p.stat().st_mtime_ns for p in model.iterdir()}
+    with forkserver.running(smoke_copy, dict(os.environ)) as env:
+        path = env[forkserver.ENV]
+        _wait_ready(path)
+        client = _stage(smoke_copy, env, "base", "base")
+        server = _server(path)
+        deadline = time.monotonic() + 60
+        while not server.children() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (child,) = server.children()
+        assert child.pid not in {c.pid for c in psutil.Process(client.pid).children()}
+        client.send_signal(signal.SIGKILL)
+        client.wait(30)
+        child.wait(30)  # raises TimeoutExpired if the stage outlived its client
+    assert {p.name: p.stat().st_mtime_ns for p in model.iterdir()} == before
+    assert not list(model.parent.glob(".*tmp*")) and not list(model.glob("*.tmp*"))
+
+
+def test_a_client_that_would_import_other_code_runs_the_stage_itself(tmp_path: Path):
+    """A client whose PYTHONPATH names other code (a Prefect workspace's) is refused by the
+    server, whose children would import the server's code, and runs the stage in its own
+    interpreter: here a copy of `stages` whose `main` says so."""
+    shadow = tmp_path / "shadow"
+    shutil.copytree(REPO / "stages", shadow / "stages",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    main = shadow / "stages" / "__main__.py"
+    text = main.read_text()
+    marker = "def main(argv: list[str] | None = None) -> int:\n"
+    assert marker in text
+    main.write_text(text.replace(marker, marker + "    print('shadow stages', flush=True)\n"))
+    with forkserver.running(REPO, dict(os.environ)) as env:
+        _wait_ready(env[forkserver.ENV])
+        proc = _stage(REPO / "pipelines" / "racer", {**env, "PYTHONPATH": str(shadow)},
+                      "nosuch", "tasks")
+        out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "nosuch" in err
+    assert "shadow stages" in out, (out, err)
