@@ -110,7 +110,7 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
                     episodes.append({"arm": arm, "seed": seed, "budget": b, "entity": e,
                                      "entropy": exploration_entropy(d, len(TABLES)),
                                      "coverage": len({t for ts in d for t in ts}) / len(TABLES)})
-    df = pl.DataFrame(rows)
+    df = pl.DataFrame(rows, infer_schema_length=None)  # `topk` is null until the top budget
     ep = pl.DataFrame(episodes)
     for (arm, seed, b), g in df.group_by("arm", "seed", "budget", maintain_order=True):
         am = accuracies(list(zip(g["entity"], g["quality_m"])))
