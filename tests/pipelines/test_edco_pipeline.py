@@ -8,6 +8,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from stages.core import io
@@ -19,6 +20,9 @@ pytestmark = pytest.mark.slow
 SFT_ARMS = ["sft_edco", "sft_edco_mean", "sft_loss", "sft_random", "sft_easy_to_hard", "sft_ppl"]
 RL_ARMS = ["rl_edco", "rl_random"]
 P = Path("pipelines/edco")
+# The smoke sizes the assertions count with (from this pipeline's params.yaml)
+SMOKE = yaml.safe_load((Path(__file__).resolve().parents[2] / P / "params.yaml").read_text())[
+    "profiles"]["smoke"]
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +39,9 @@ def _weights(folder: Path) -> dict:
 def test_pool_is_new_domain_with_flagged_noise_and_clean_test(edco_repo: Path):
     pool = pl.read_parquet(edco_repo / P / "data/pool/pool.parquet")
     test = pl.read_parquet(edco_repo / P / "data/pool/test.parquet")
-    assert pool.height == 64 and test.height == 12
-    assert pool["noisy"].sum() == round(0.05 * 64) and test["noisy"].sum() == 0
+    n_pool = SMOKE["pool"]["n_pool"]
+    assert pool.height == n_pool and test.height == SMOKE["pool"]["n_test"]
+    assert pool["noisy"].sum() == round(0.05 * n_pool) and test["noisy"].sum() == 0
     assert pool["question"].str.contains("*", literal=True).any()
     shared = set(pl.read_parquet(edco_repo / "data/tasks/arith/train.parquet")["question"])
     assert not shared & set(pool["question"]) and not set(test["question"]) & set(pool["question"])
@@ -51,7 +56,8 @@ def test_estimator_reports_rank_correlation_and_token_reduction(edco_repo: Path)
             1 - m[f"L{L}/mean_tokens"] / m["full_mean_tokens"])
         assert f"L{L}/seconds_per_item" not in m                # wall times: MLflow only
     scores = pl.read_parquet(edco_repo / P / "data/estimator/scores.parquet")
-    assert scores.height == 32 and {"full_top_frac", "L2_top_frac", "L4_mean"} <= set(scores.columns)
+    assert scores.height == SMOKE["entropy_estimate"]["n_items"]
+    assert {"full_top_frac", "L2_top_frac", "L4_mean"} <= set(scores.columns)
 
 
 def test_every_arm_trains_every_seed_at_one_budget(edco_repo: Path):
@@ -62,7 +68,7 @@ def test_every_arm_trains_every_seed_at_one_budget(edco_repo: Path):
         assert sorted(curve["seed"].unique().to_list()) == [0, 1]
         assert sorted(curve["round"].unique().to_list()) == [0.0, 1.0, 2.0]
         picks = pl.read_parquet(folder / "selections.parquet")
-        n = 16 if arm.startswith("sft") else 4
+        n = SMOKE[arm]["top_n"]
         assert picks.group_by(["seed", "round"]).len()["len"].to_list() == [n] * 4
         for seed in (0, 1):
             after = _weights(folder / f"seed{seed}")
@@ -70,7 +76,7 @@ def test_every_arm_trains_every_seed_at_one_budget(edco_repo: Path):
         if arm.startswith("sft"):  # SFT always has a gradient: the model moved
             assert any(not torch.equal(base[k], _weights(folder / "seed0")[k]) for k in base)
         budget = json.loads((folder / "budget.json").read_text())
-        assert budget["rounds"] == 2 and budget["pool_size"] == 64
+        assert budget["rounds"] == 2 and budget["pool_size"] == SMOKE["pool"]["n_pool"]
     edco_scores = pl.read_parquet(edco_repo / P / "runs/sft_edco/selections.parquet")
     assert edco_scores["score"].is_not_nan().all()
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import polars as pl
 import pytest
+import yaml
 from safetensors.torch import load_file
 
 from stages.core import io
@@ -18,6 +19,8 @@ pytestmark = pytest.mark.slow
 
 ARMS = ["grpo", "grpo_replay", "r2vpo", "r2vpo_fixed_lambda", "r2vpo_no_replay"]
 P = Path("pipelines/r2vpo")
+SMOKE = yaml.safe_load((Path(__file__).resolve().parents[2] / P / "params.yaml").read_text())[
+    "profiles"]["smoke"]
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +46,8 @@ def test_every_arm_trains_every_seed(r2vpo_repo: Path):
             after = load_file(str(folder / f"seed{seed}" / "model.safetensors"))
             assert {k: v.shape for k, v in after.items()} == {k: v.shape for k, v in base.items()}
             state = json.loads((folder / f"seed{seed}" / "policy_state.json").read_text())
-            assert state["steps"] == 2 * 1 * 2 and state["rollouts"] == 2 * 2 * 4  # smoke budget
+            g = SMOKE["grpo"]["num_generations"]  # smoke budget: 2 rounds of 2 steps, 2 prompts
+            assert state["steps"] == 2 * 1 * 2 and state["rollouts"] == 2 * 2 * g
         state = json.loads((folder / "seed0" / "policy_state.json").read_text())
         assert state["policy_loss"] == ("clip" if arm.startswith("grpo") else "r2vpo")
         budget = json.loads((folder / "budget.json").read_text())
