@@ -49,8 +49,9 @@ from collections.abc import Iterator
 ENV = "PAPERLINE_FORKSERVER"  # the socket's path, set for stage processes by `paperline repro`
 # What a model stage imports before its work (torch, transformers' Llama, its Trainer and
 # tokenizers, the data stack). Third-party only: project modules are imported by each child.
-PRELOAD = ("numpy", "polars", "pydantic", "yaml", "torch", "safetensors.torch", "transformers",
-           "transformers.models.llama.modeling_llama", "transformers.trainer",
+# DVC's Repo: every stage reads its own deps through it for its tracking key (core/tracking.py).
+PRELOAD = ("numpy", "polars", "pydantic", "yaml", "dvc.repo", "torch", "safetensors.torch",
+           "transformers", "transformers.models.llama.modeling_llama", "transformers.trainer",
            "transformers.models.auto.tokenization_auto")
 # What decides which code a fresh interpreter imports, fixed when the server started: a client
 # whose values differ (a Prefect workspace's PYTHONPATH, say) runs its stage itself.
