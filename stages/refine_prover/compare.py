@@ -166,8 +166,12 @@ def results_table(metrics: dict[str, dict[str, Any]]) -> str:
                      f"signatures ({s['real_failures/proofs_per_signature']:.1f} per signature; "
                      f"{s['real_failures/shared_share']:.2f} share one).")
         if "iid_check/max_abs_z" in s:
+            undefined = s.get("iid_check/undefined") or 0
             lines.append(f"- i.i.d. check: max |observed - (1 - (1 - p)^B)| / sd over seeds and "
-                         f"budgets = {s['iid_check/max_abs_z']:.2f}.")
+                         f"budgets = {s['iid_check/max_abs_z']:.2f}"
+                         + (f"; {undefined:.0f} (seed, budget) cells where every measured rate "
+                            "is 0 or 1 (sd 0) yet the observed share differs: untestable there"
+                            if undefined else "") + ".")
     if t:
         lines.append(f"- Base prover acceptance on train statements "
                      f"{t.get('mean/base_train_accept', float('nan')):.3f}; refiner repair "

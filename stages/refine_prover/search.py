@@ -165,15 +165,16 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
             for b in cfg.budgets:
                 observed = np.mean([logs["iid"][p].at_budget(b)[0] for p in problems])
                 pred = prover.predicted_iid(list(rates.values()), b)
-                var = sum((1 - (1 - r) ** b) * (1 - r) ** b for r in rates.values())
-                sd = math.sqrt(var) / len(problems)
                 metrics[f"iid_check/seed{seed}/B{b}/observed"] = float(observed)
                 metrics[f"iid_check/seed{seed}/B{b}/predicted"] = pred
-                metrics[f"iid_check/seed{seed}/B{b}/z"] = (
-                    float((observed - pred) / sd) if sd > 0 else 0.0)
+                metrics[f"iid_check/seed{seed}/B{b}/z"] = iid_z(
+                    float(observed), list(rates.values()), b)
     zs = [v for k, v in metrics.items() if k.startswith("iid_check/") and k.endswith("/z")]
     if zs:
-        metrics["iid_check/max_abs_z"] = float(max(abs(z) for z in zs))
+        finite = [abs(z) for z in zs if math.isfinite(z)]
+        metrics["iid_check/max_abs_z"] = float(max(finite)) if finite else float("nan")
+        # cells whose predicted sd is 0 (every rate 0 or 1) yet the observation differs
+        metrics["iid_check/undefined"] = float(sum(not math.isfinite(z) for z in zs))
     metrics.update({f"real_failures/{k}": v for k, v in kernel.signature_counts(wrong).items()})
     frame = pl.DataFrame(rows)
     out = ctx.path(cfg.out)
@@ -196,8 +197,21 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     return metrics
 
 
+def iid_z(observed: float, rates: list[float], budget: int) -> float:
+    """(observed - predicted) / sd of the i.i.d. solved fraction at `budget` over `len(rates)`
+    problems, sd from the per-problem Bernoulli variances. Where every rate is 0 or 1 the sd is
+    0: z is 0 when the observation equals the prediction, else NaN (the check cannot size a
+    mismatch it predicts to be impossible, and must not report it as a perfect fit)."""
+    pred = prover.predicted_iid(rates, budget)
+    var = sum((1 - (1 - r) ** budget) * (1 - r) ** budget for r in rates)
+    sd = math.sqrt(var) / len(rates)
+    if sd > 0:
+        return float((observed - pred) / sd)
+    return 0.0 if math.isclose(observed, pred, abs_tol=1e-12) else float("nan")
+
+
 def headline(details: dict[str, float]) -> dict[str, float]:
     top = max((int(k.split("/")[1][1:]) for k in details if k.startswith("iid/B")), default=0)
     keys = [f"{a}/B{top}/solved" for a in ("iid", "random_tree", "value_tree")]
-    keys += ["iid_check/max_abs_z", "real_failures/proofs_per_signature"]
+    keys += ["iid_check/max_abs_z", "iid_check/undefined", "real_failures/proofs_per_signature"]
     return {k: details[k] for k in keys if k in details}

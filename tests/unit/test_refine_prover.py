@@ -4,6 +4,7 @@ the reason otherwise."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import numpy as np
@@ -195,3 +196,15 @@ def test_results_table_renders_arms_claims_and_checks():
     assert "| random_vs_iid/B16 | inconclusive |" in text and "+0.047" in text
     assert "Coq `lia` agreement 1.000 on 20 proofs (0 unexplained)" in text
     assert results_table({}) == "_No results yet: run the pipeline._\n"
+
+
+def test_iid_z_by_hand_and_undefined_where_the_prediction_has_no_spread():
+    from stages.refine_prover.search import iid_z
+
+    # rates 0.5, 0.5 at B = 1: predicted 0.5, var = 2 * 0.25, sd = sqrt(0.5) / 2 = 0.35355
+    assert iid_z(1.0, [0.5, 0.5], 1) == pytest.approx(0.5 / 0.353553, rel=1e-5)
+    assert iid_z(0.5, [0.5, 0.5], 1) == 0.0
+    # every rate 0: predicted 0 with sd 0; a solve observed anyway is a mismatch the check cannot
+    # size, never a perfect fit (it was reported as z = 0)
+    assert iid_z(0.0, [0.0, 0.0], 8) == 0.0
+    assert math.isnan(iid_z(0.02, [0.0, 0.0], 8))
