@@ -290,17 +290,25 @@ def test_two_runs_at_once_both_finish(work: Path, cluster):
             t.start()
         for t in threads:
             t.join(180)
+    joins_state = []
     for i in range(2):
         summary = results[i]
         assert isinstance(summary, dict), summary
-        assert {k: v["state"] for k, v in summary.items() if v["state"] != "skipped"} in (
-            {"join": "ran"}, {"join": "restored"}), summary
-        assert {v["state"] for k, v in summary.items() if k != "join"} == {"skipped"}
+        assert {v["state"] for k, v in summary.items() if k != "join"} == {"skipped"}, summary
+        # each controller dispatched `join` to a worker (`worker` in its summary); the worker
+        # computed it ("ran"), pulled the other's push ("restored"), or found its own clone
+        # already holding the result of the other controller's run ("skipped": both runs
+        # landed on the same worker one after the other)
+        assert summary["join"]["state"] in ("ran", "restored", "skipped"), summary
+        assert summary["join"].get("worker") in ("cpu-1", "cpu-2"), summary
+        joins_state.append(summary["join"]["state"])
+    assert "ran" in joins_state, joins_state
     assert "up to date" in subprocess.run([str(BIN / "dvc"), "status", "dvc.yaml"], cwd=origin,
                                           capture_output=True, text=True).stdout
-    # `join` was computed once or twice (the later flow may restore the earlier one's push)
+    # `join` was computed once per "ran" (the later flow may restore the earlier one's push)
     joins = _spans(cluster["timing"], "join")
-    assert 1 <= len(joins) <= 2 and {j["worker"] for j in joins} <= {"cpu-1", "cpu-2"}
+    assert len(joins) == joins_state.count("ran"), (joins, joins_state)
+    assert {j["worker"] for j in joins} <= {"cpu-1", "cpu-2"}
     assert len(_flow_runs("stage:join")) == 2
 
 
