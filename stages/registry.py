@@ -8,8 +8,9 @@ The params section a stage reads is its stage name.
 from __future__ import annotations
 
 # Pipelines of shared substrates, not papers: their packages are engines every paper may import
-# (`base`: tasks, tokenizer, base model; `serving`: the serving simulator and its checks).
-SHARED: frozenset[str] = frozenset({"base", "serving"})
+# (`base`: tasks, tokenizer, base model; `serving`: the serving simulator and its checks;
+# `vlm`: the image task families and the tiny vision-language models).
+SHARED: frozenset[str] = frozenset({"base", "serving", "vlm"})
 
 # A paper's package where it is not `stages/<slug>/` (the import rule checks it as that paper's):
 # the CoRe paper's slug `core` would clash with `stages/core`, the stage contract.
@@ -128,6 +129,15 @@ STAGES: dict[str, dict[str, str]] = {
         "queueing_check": "stages.serving.queueing_check",
         "validate_sim": "stages.serving.validate",
     },
+    # The shared vision-language substrate (issue 18), like "base" for the vision papers: the
+    # shapes world and rendered-text families, a tiny LLaVA per family and seed (vlm-shapes,
+    # vlm-text), and the gates the papers need (hallucination to fix, text that can be read).
+    "vlm": {
+        "data": "stages.tasks.vlm_data",
+        "train_shapes": "stages.train.vlm",
+        "train_text": "stages.train.vlm",
+        "gates": "stages.evaluate.vlm_gates",
+    },
     # AMPD: multi-round agent sessions on a simulated 8-GPU PD-disaggregated cluster; where each
     # (incremental) prefill runs and in what order, against Dynamo-like, always-local and
     # colocated serving; the replica plan by ILP. One simulation stage runs every arm.
@@ -146,6 +156,14 @@ STAGES: dict[str, dict[str, str]] = {
         "workload": "stages.maps.workload",
         "simulate": "stages.maps.simulate",
         "compare": "stages.maps.compare",
+    },
+    # GIFT: gaze-shift saliency + balanced attention rescaling (training-free) vs greedy, a
+    # VAF-like uniform visual boost and the visual-only ablation, on the vlm pipeline's
+    # vlm-shapes checkpoints; alpha and layers on the validation split.
+    "gift": {
+        "calibrate": "stages.gift.calibrate",
+        "decode": "stages.gift.decode",
+        "compare": "stages.gift.compare",
     },
     # DDR: question-free exploration of per-patient SQLite databases (read-only, SELECT-only
     # guard) scored on hidden checklists; a tiny Llama explorer imitating the scripted
@@ -190,8 +208,10 @@ REPORTS: dict[str, str] = {
     "proofverify": "stages.proofverify.compare:results_table",
     "racer": "stages.racer.compare:results_table",
     "serving": "stages.serving.report:results_table",
+    "vlm": "stages.evaluate.vlm_gates:results_table",
     "ampd": "stages.ampd.compare:results_table",
     "maps": "stages.maps.compare:results_table",
+    "gift": "stages.gift.compare:results_table",
     "ddr": "stages.ddr.compare:results_table",
     "refine_prover": "stages.refine_prover.compare:results_table",
     "cotfsm": "stages.cotfsm.compare:results_table",
@@ -233,6 +253,13 @@ PAPERS: dict[str, dict[str, str]] = {
     "serving": {"paper": "(shared)",
                 "compares": "the serving simulator against queueing theory and a real "
                             "continuous-batching server; the latency profile AMPD and MAPS read"},
+    "vlm": {"paper": "(shared)",
+            "compares": "the shapes world and rendered-text tasks and the tiny VLMs (vlm-shapes, "
+                        "vlm-text) the vision papers build on, against their gates"},
+    "gift": {"paper": "GIFT, arXiv 2510.22067",
+             "compares": "gaze-shift saliency attention boost with query rescaling vs greedy, a "
+                         "VAF-like visual boost and the visual-only ablation (tiny VLM, CHAIR / "
+                         "POPE)"},
     "ampd": {"paper": "AMPD, arXiv 2602.14516",
              "compares": "local vs remote (incremental) prefill routing, reordering and a replica "
                          "ILP vs Dynamo-like, always-local and colocated serving (simulated)"},

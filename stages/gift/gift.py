@@ -2,7 +2,8 @@
 arXiv 2510.22067; official code github.com/amazon-science/GIFT, CC BY-NC: reimplemented here,
 not copied). A training-free fix for VLM hallucination that edits attention at inference time.
 
-Prompt layout `[system][visual v0..v1][query q0..q1][template tail]` (inclusive spans, `Spans`).
+Prompt layout `[system][visual v0..v1][query q0..q1][template tail]` (inclusive spans, `Spans`
+of stages/models/vlm.py, which `prompt_spans` reads off a tokenized prompt).
 `A^l_{h,i,j}` is the post-softmax attention of layer l, head h, from position i to key j.
 
 Phase 1, once per sample (one prefill with `output_attentions=True`), in saliency layers L_s:
@@ -46,43 +47,14 @@ import math
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
+# One definition of the prompt spans and of the eager-attention check for every vision method:
+# the substrate's (stages/models/vlm.py), re-exported here for the method's callers.
+from stages.models.vlm import Spans, require_eager
+
 Edit = Callable[[torch.Tensor], torch.Tensor]  # (H, seq) post-softmax row -> edited row
-
-
-@dataclass(frozen=True)
-class Spans:
-    """Inclusive token positions of the visual tokens (v0..v1) and the user query (q0..q1)."""
-
-    v0: int
-    v1: int
-    q0: int
-    q1: int
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.v0 <= self.v1 < self.q0 <= self.q1:
-            raise ValueError(f"spans must satisfy 0 <= v0 <= v1 < q0 <= q1 (visual tokens "
-                             f"before the query), got {self}")
-
-    @property
-    def visual(self) -> slice:
-        return slice(self.v0, self.v1 + 1)
-
-    @property
-    def query(self) -> slice:
-        return slice(self.q0, self.q1 + 1)
-
-    @property
-    def n_visual(self) -> int:
-        return self.v1 - self.v0 + 1
-
-    @property
-    def n_query(self) -> int:
-        return self.q1 - self.q0 + 1
 
 
 def _heads_kept(n_heads: int) -> int:
@@ -261,6 +233,24 @@ def vaf_edit(spans: Spans, alpha: float) -> Edit:
     return lambda row: vaf_row(row, spans, alpha)
 
 
+class BatchEdit:
+    """An edit of a batch's last rows (B, H, seq) -> (B, H, seq): sample b's row gets `edits[b]`.
+
+    Prompts of one batch share their spans (same template and query length, no padding), so
+    every sample's visual and query tokens sit at the same positions; each sample keeps its own
+    multiplier m (saliency is per sample, spec §2)."""
+
+    batched = True
+
+    def __init__(self, edits: Sequence[Edit]):
+        self.edits = list(edits)
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        if rows.shape[0] != len(self.edits):
+            raise ValueError(f"the batch has {rows.shape[0]} rows but {len(self.edits)} edits")
+        return torch.stack([edit(row) for edit, row in zip(self.edits, rows)])
+
+
 # --- the attention hook (transformers' eager path) ----------------------------------------------
 
 HOOKED_ATTENTION = "gift_eager"  # name registered in transformers' ALL_ATTENTION_FUNCTIONS
@@ -278,16 +268,19 @@ def _hooked_eager_attention(module: nn.Module, query: torch.Tensor, key: torch.T
                         "supports transformers' Llama-style attention modules")
     output, weights = eager(module, query, key, value, attention_mask, scaling=scaling,
                             dropout=dropout, **kwargs)
-    if weights.shape[0] != 1:
-        raise ValueError(f"the GIFT hook runs one sample at a time (batch 1), got batch "
-                         f"{weights.shape[0]}")
-    row = module.gift_edit(weights[0, :, -1, :]).to(weights.dtype)  # (H, seq)
     weights = weights.clone()
-    weights[0, :, -1, :] = row
+    if getattr(module.gift_edit, "batched", False):
+        weights[:, :, -1, :] = module.gift_edit(weights[:, :, -1, :]).to(weights.dtype)
+    else:
+        if weights.shape[0] != 1:
+            raise ValueError(f"the GIFT hook runs one sample at a time (batch 1), got batch "
+                             f"{weights.shape[0]}; a batch needs a BatchEdit")
+        weights[0, :, -1, :] = module.gift_edit(weights[0, :, -1, :]).to(weights.dtype)
+    rows = weights[:, :, -1, :]                                       # (B, H, seq)
     groups = getattr(module, "num_key_value_groups", 1)  # grouped-query heads share values
-    values = value[0].repeat_interleave(groups, dim=0)  # (H, seq, d)
+    values = value.repeat_interleave(groups, dim=1)                   # (B, H, seq, d)
     output = output.clone()
-    output[0, -1] = torch.einsum("hk,hkd->hd", row, values).to(output.dtype)
+    output[:, -1] = torch.einsum("bhk,bhkd->bhd", rows, values).to(output.dtype)
     return output, weights
 
 
@@ -303,17 +296,6 @@ def attention_modules(model: nn.Module) -> dict[int, nn.Module]:
     if not found:
         raise ValueError(f"no decoder attention modules (with layer_idx) in {type(model).__name__}")
     return found
-
-
-def require_eager(model: nn.Module) -> None:
-    """GIFT edits post-softmax probabilities, which only the eager path materialises (SDPA and
-    flash attention fuse softmax and the value mix, so a hook on them silently does nothing)."""
-    impls = {m.config._attn_implementation for m in attention_modules(model).values()}
-    if impls != {"eager"}:
-        runs = sorted(impls, key=str)
-        raise ValueError(f"GIFT needs attn_implementation='eager' but the model runs {runs}: "
-                         "load it with attn_implementation='eager' (or call "
-                         "model.set_attn_implementation('eager'))")
 
 
 @contextmanager

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from stages.gift import gift, metrics
+from stages.gift import gift
 from stages.gift.gift import Spans
 
 torch.set_num_threads(1)
@@ -220,41 +220,92 @@ def test_hook_refuses_sdpa_batches_and_unknown_layers(llama):
         model(inputs_embeds=embeds.repeat(2, 1, 1))
 
 
-# --- CHAIR and POPE ------------------------------------------------------------------------------
+# --- the arms on the tiny VLM (stages/gift/arms.py) ----------------------------------------------
 
-VOCAB = ["red circle", "blue square", "green triangle", "yellow cross"]
+@pytest.fixture(scope="module")
+def tiny_vlm():
+    """A randomly initialised tiny LLaVA (4 layers, 2 sinks) and three shapes images."""
+    import polars as pl
+
+    from stages.models import vlm as vm
+    from stages.tasks import shapes
+    from stages.tasks.images import decode_all
+    from stages.train import vlm as tv
+
+    cfg = shapes.Config()
+    rows = shapes.generate(cfg, 3, seed=0, split="train")
+    freq, cooc = shapes.train_statistics(r["objects"] for r in rows)
+    df = pl.DataFrame(rows, schema=shapes.SCHEMA)
+    qa = pl.DataFrame(shapes.questions(cfg, rows, freq, cooc, 0, "train"),
+                      schema=shapes.QUESTION_SCHEMA)
+    layout = vm.Layout()
+    tok = vm.build_tokenizer("word", tv.tokenizer_texts("shapes", df, qa, layout))
+    torch.manual_seed(0)
+    spec = vm.Spec(hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4,
+                   vision_hidden=16, vision_heads=2, max_positions=128)
+    model, processor = vm.build_vlm(spec, layout, tok)
+    model.eval()
+    vlm = vm.VLM(model=model, processor=processor, layout=layout, sink_norm=spec.sink_norm)
+    images = decode_all(df["image"], df["id"], size=(64, 64), mode="RGB", source="t")
+    prompts = [vm.encode_image_prompt(layout, tok, q) for q in df["query"]]
+    return vlm, prompts, images, set(cfg.colours) | set(cfg.shapes)
 
 
-def test_chair_counts_mentions_and_hallucinations_by_hand():
-    captions = ["A red circle and a blue square.",
-                "Two red circles and a green triangle.",  # plural; green triangle is not there
-                "Some yellow crosses, and a circle.",  # plural -es; a bare shape names nothing
-                "A bred circle."]  # whole words only: no mention
-    objects = [["red circle", "blue square"], ["red circle", "red circle"], ["blue square"], []]
-    records = metrics.chair_per_image(captions, objects, VOCAB)
-    assert [(r["mentioned"], r["hallucinated"], r["chair_sentence"]) for r in records] == [
-        (2, 0, 0.0), (2, 1, 1.0), (1, 1, 1.0), (0, 0, 0.0)]
-    assert records[1]["hallucinated_objects"] == ["green triangle"]
-    assert metrics.chair(records) == {"chair_sentence": 0.5, "chair_instance": 0.4}  # 2/4 captions, 2/5 mentions
-    assert metrics.chair(records, [1, 1]) == {"chair_sentence": 1.0, "chair_instance": 0.5}
-    with pytest.raises(ValueError, match="purple star"):
-        metrics.chair_per_image(["x"], [["purple star"]], VOCAB)
+def _decode(tiny_vlm, arm, alpha, **kw):
+    from stages.gift import arms
+
+    vlm, prompts, images, lexicon = tiny_vlm
+    return arms.decode(vlm, prompts, images, arm=arm, alpha=alpha, saliency_layer=1,
+                       enhance_layers=[2, 3], lexicon=lexicon, max_new_tokens=6, **kw)
 
 
-def test_pope_counts_by_hand():
-    answers = ["Yes, there is.", "no", "Yes", "I think so", "No."]
-    labels = [True, True, False, False, False]
-    result = metrics.pope(metrics.pope_per_item(answers, labels))
-    # tp 1, predicted yes 2, labelled yes 2; correct: 1st, 4th (unparsed = not yes), 5th
-    assert result == pytest.approx({"accuracy": 0.6, "precision": 0.5, "recall": 0.5, "f1": 0.5,
-                                    "yes_ratio": 0.4, "unparsed": 0.2})
+def test_every_arm_at_alpha_zero_equals_greedy_token_for_token_on_the_vlm(tiny_vlm):
+    greedy = _decode(tiny_vlm, "greedy", 0.0)
+    assert any(greedy)                                   # something was generated
+    for arm in ("vaf", "gift_visual", "gift"):
+        assert _decode(tiny_vlm, arm, 0.0) == greedy, arm
 
 
-def test_paired_bootstrap_resamples_the_same_images_on_both_sides():
-    base = metrics.chair_per_image(["a red circle"] * 10, [["blue square"]] * 10, VOCAB)
-    same = metrics.paired_bootstrap(lambda r, i: metrics.chair(r, i)["chair_sentence"], base, base)
-    assert same == (0.0, 0.0, 0.0)
-    fixed = metrics.chair_per_image(["a blue square"] * 10, [["blue square"]] * 10, VOCAB)
-    drop = metrics.paired_bootstrap(lambda r, i: metrics.chair(r, i)["chair_sentence"], fixed, base,
-                                    relative=True, draws=200)
-    assert drop == (-1.0, -1.0, -1.0)
+def test_batched_edit_equals_one_sample_at_a_time(tiny_vlm):
+    """A batch of three gets each sample's own multiplier: the same tokens as three batches of
+    one (where the single-sample hook path runs)."""
+    batched = _decode(tiny_vlm, "gift", 7.0, batch_size=3)
+    assert batched == _decode(tiny_vlm, "gift", 7.0, batch_size=1)
+
+
+def test_the_hook_changes_the_vlm_attention_rows(tiny_vlm):
+    from stages.gift import arms
+    from stages.models import vlm as vm
+
+    vlm, prompts, images, lexicon = tiny_vlm
+    batch = arms.inputs(vlm, prompts, images)
+    spans = arms.batch_spans(vlm, prompts)
+    assert spans.n_visual == 2 + 64 and spans.sinks == (spans.v0, spans.v0 + 1)
+    m = arms.multipliers(vlm, batch, spans, 1, 5.0, None)
+    assert m.shape == (3, 66) and float(m.max()) == pytest.approx(math.exp(5.0), rel=1e-5)
+    edit = gift.BatchEdit([gift.gift_edit(spans, m[b]) for b in range(3)])
+    with torch.no_grad():
+        plain = vlm.model(**batch, output_attentions=True).attentions
+        with gift.attention_hook(vlm.model, [2], edit):
+            hooked = vlm.model(**batch, output_attentions=True).attentions
+    assert torch.equal(plain[1], hooked[1])                      # layer 1 is not enhanced
+    assert not torch.allclose(plain[2][:, :, -1], hooked[2][:, :, -1])
+    assert torch.allclose(hooked[2][:, :, -1].sum(-1), torch.ones(3, 4))   # renormalised
+    vm.require_eager(vlm.model)                                  # restored on exit
+
+
+def test_calibrate_refuses_the_test_split_and_picks_alpha_by_hand():
+    from pydantic import ValidationError
+
+    from stages.gift import calibrate
+
+    with pytest.raises(ValidationError, match="never on test"):
+        calibrate.Config(split="test")
+    with pytest.raises(ValidationError, match="finite number >= 0"):
+        calibrate.Config(alpha_grid=[1.0, -2.0])
+    results = {1.0: {"chair_sentence": 0.5, "recall": 0.80},
+               3.0: {"chair_sentence": 0.3, "recall": 0.75},
+               5.0: {"chair_sentence": 0.1, "recall": 0.50}}   # fewest hallucinations, says less
+    assert calibrate.pick_alpha(results, greedy_recall=0.8, tolerance=0.1) == 3.0
+    assert calibrate.pick_alpha(results, greedy_recall=0.8, tolerance=0.5) == 5.0
+    assert calibrate.pick_alpha(results, greedy_recall=0.99, tolerance=0.0) == 1.0

@@ -94,6 +94,12 @@ INPUTS: dict[str, Callable[[], FrameSpec]] = {
         "stages.agents.trajectories", "episode_expectations"),
     "agents/steps (agents.trajectories.read_rollouts)": _attr(
         "stages.agents.trajectories", "step_expectations"),
+    # train.vlm.load_family (train_shapes, train_text, gates): the vlm families' splits
+    "vlm/shapes images": _attr("stages.tasks.shapes", "expectations", None, "train"),
+    "vlm/shapes questions": _attr("stages.tasks.shapes", "question_expectations", None, "train"),
+    "vlm/rendered_text pages": _attr("stages.tasks.rendered_text", "expectations", None, "train"),
+    "gift/captions (compare)": _attr("stages.gift.decode", "captions_spec"),
+    "gift/pope (compare)": _attr("stages.gift.decode", "pope_spec"),
 }
 
 # Modules reading through the loader with a spec built inside the reading function; their
@@ -120,6 +126,8 @@ def _values(rules: ColumnSpec, dtype: Any, n: int, salt: str) -> list[Any]:
         lo = rules.min if rules.min is not None else 0.0
         hi = rules.max if rules.max is not None else lo + 1.0
         return [lo + (hi - lo) * (i + 1) / (n + 1) for i in range(n)]
+    if dtype == pl.Binary:
+        return [f"{salt}-{i}".encode() for i in range(n)]
     if isinstance(dtype, pl.List):
         inner = rules.elements or ColumnSpec(dtype=dtype.inner)
         size = max(rules.min_len or 1, 1)
@@ -222,6 +230,7 @@ def test_every_reading_module_is_covered():
                "stages/trace/policy.py", "stages/serving/workload.py",
                "stages/ampd/compare.py", "stages/maps/compare.py", "stages/maps/simulate.py",
                "stages/maps/workload.py", "stages/agents/trajectories.py",
+               "stages/train/vlm.py", "stages/gift/compare.py",
                "stages/ddr/expert.py", "stages/ddr/explore.py", "stages/ddr/score.py",
                "stages/refine_prover/train.py", "stages/refine_prover/compare.py",
                "stages/cotfsm/traces.py", "stages/cotfsm/compare.py"} | set(INLINE)

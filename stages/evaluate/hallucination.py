@@ -1,4 +1,6 @@
-"""Hallucination metrics for GIFT, per image so that arms can be paired image by image.
+"""Hallucination metrics, per image so that arms can be paired image by image: CHAIR over an
+exact object vocabulary and POPE-style yes/no counting. The one implementation the vision
+substrate's gates (stages/evaluate/vlm_gates.py) and the papers (GIFT) share.
 
 CHAIR (Rohrbach et al., 2018), over an exact object vocabulary instead of COCO's synonym lists:
 - an object class is a phrase "<colour> <shape>" (e.g. "red circle"); a caption MENTIONS a class
@@ -9,6 +11,9 @@ CHAIR (Rohrbach et al., 2018), over an exact object vocabulary instead of COCO's
 - CHAIR_S = share of captions with at least one hallucinated mention (every caption counts, also
   one that mentions nothing); CHAIR_I = hallucinated mentions / all mentions, over all captions
   (a ratio of sums, not a mean of per-image ratios).
+- beside them, object precision / recall / F1 pooled over captions (correct mentions against
+  mentions and against the classes really present): a caption that names nothing never
+  hallucinates, so CHAIR is read next to recall.
 
 POPE (Li et al., 2023): yes/no existence questions; "yes" is the positive class.
 - an answer is read from its first word: "yes" or "no"; anything else is UNPARSED, counted as a
@@ -80,6 +85,7 @@ def chair_per_image(captions: Sequence[str], objects: Sequence[Sequence[str]],
         mentioned = mentioned_objects(caption, vocabulary)
         hallucinated = mentioned - present
         records.append({"mentioned": len(mentioned), "hallucinated": len(hallucinated),
+                        "correct": len(mentioned & present), "missed": len(present - mentioned),
                         "chair_sentence": float(bool(hallucinated)),
                         "hallucinated_objects": sorted(hallucinated)})
     return records
@@ -87,13 +93,28 @@ def chair_per_image(captions: Sequence[str], objects: Sequence[Sequence[str]],
 
 def chair(records: Sequence[Record], idx: Sequence[int] | None = None) -> dict[str, float]:
     """CHAIR_S and CHAIR_I over the records (or the resampled `idx`); CHAIR_I is NaN when no
-    caption mentions any object."""
+    caption mentions any object. See `objects_f1` for precision / recall / F1."""
     rows = [records[i] for i in (range(len(records)) if idx is None else idx)]
     if not rows:
         raise ValueError("CHAIR needs at least one caption")
     mentioned = sum(r["mentioned"] for r in rows)
     return {"chair_sentence": sum(r["chair_sentence"] for r in rows) / len(rows),
             "chair_instance": sum(r["hallucinated"] for r in rows) / mentioned if mentioned else math.nan}
+
+
+def objects_f1(records: Sequence[Record], idx: Sequence[int] | None = None) -> dict[str, float]:
+    """Object precision (correct / mentioned), recall (correct / present) and F1, pooled over
+    the captions; NaN where a denominator is 0, F1 = 0 when nothing is correct."""
+    rows = [records[i] for i in (range(len(records)) if idx is None else idx)]
+    if not rows:
+        raise ValueError("object F1 needs at least one caption")
+    tp = sum(r["correct"] for r in rows)
+    mentioned = sum(r["mentioned"] for r in rows)
+    present = tp + sum(r["missed"] for r in rows)
+    precision = tp / mentioned if mentioned else math.nan
+    recall = tp / present if present else math.nan
+    f1 = 2 * tp / (mentioned + present) if mentioned + present else math.nan
+    return {"precision": precision, "recall": recall, "f1": f1}
 
 
 # --- POPE ----------------------------------------------------------------------------------------
@@ -157,3 +178,44 @@ def paired_bootstrap(statistic: Callable[[Sequence[Record], Sequence[int] | None
 
     low, high = stats.percentile_ci(len(method), diff, draws, seed)
     return diff(None), low, high
+
+
+def paired_ratio_bootstrap(num_m: Sequence[float], den_m: Sequence[float],
+                           num_b: Sequence[float], den_b: Sequence[float], *,
+                           relative: bool = False, draws: int = 2000, seed: int = 0
+                           ) -> tuple[float, float, float, list[float]]:
+    """`paired_bootstrap` for a statistic that is a ratio of sums over the pairs (CHAIR_S:
+    hallucinating captions / captions; CHAIR_I: hallucinated / mentioned; POPE F1: 2 TP /
+    (predicted yes + labelled yes)), vectorised with numpy: the same resampled pairs on both
+    sides. -> (difference, 95% CI low, high, per-pair differences). The per-pair differences
+    are the linearisation d_i = n (num_m_i / sum den_m - num_b_i / sum den_b) (their mean is the
+    difference; divided by the baseline's statistic when `relative`), for the MDE."""
+    import numpy as np
+
+    arrays = [np.asarray(a, dtype=float) for a in (num_m, den_m, num_b, den_b)]
+    n = len(arrays[0])
+    if n == 0 or any(len(a) != n for a in arrays):
+        raise ValueError(f"paired ratios need four equally long non-empty columns, got "
+                         f"{[len(a) for a in arrays]}")
+    nm, dm, nb, db = arrays
+
+    def ratio(num: Any, den: Any) -> Any:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(den > 0, num / np.where(den > 0, den, 1.0), np.nan)
+
+    base = float(ratio(nb.sum(), db.sum()))
+    diff = float(ratio(nm.sum(), dm.sum())) - base
+    idx = np.random.default_rng(seed).integers(0, n, size=(draws, n))
+    b = ratio(nb[idx].sum(1), db[idx].sum(1))
+    d = ratio(nm[idx].sum(1), dm[idx].sum(1)) - b
+    per_pair = n * (ratio(nm, dm.sum()) - ratio(nb, db.sum()))
+    if relative:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            d = np.where(b != 0, d / np.where(b != 0, b, 1.0), np.nan)
+        diff = diff / base if base else math.nan
+        per_pair = per_pair / base if base else per_pair * math.nan
+    d = np.sort(d[np.isfinite(d)])
+    if not len(d):
+        return diff, math.nan, math.nan, [float(x) for x in per_pair]
+    low, high = d[int(0.025 * (len(d) - 1))], d[int(0.975 * (len(d) - 1))]
+    return diff, float(low), float(high), [float(x) for x in per_pair]
