@@ -437,7 +437,9 @@ def load_vlm(path: str | Path, *, attn_implementation: str = "eager",
                                 f"folder (nothing is downloaded)")
     saved: dict[str, Any] = {}
     if (folder / LAYOUT_FILE).is_file():
-        saved = json.loads((folder / LAYOUT_FILE).read_text())
+        from stages.core.checks import read_json_checked
+
+        saved = read_json_checked(folder / LAYOUT_FILE, {"layout": dict})
     if layout is None and "layout" not in saved:
         raise ValueError(f"{folder}: no {LAYOUT_FILE}; pass the prompt layout of this model "
                          f"(system, sep, tail, sink_tokens=0, image_tokens)")
