@@ -347,10 +347,7 @@ class Searcher:
         vals: list[float] = [0.0] * len(states)
         sketch: list[Any] = [None] * len(states)
         nfe = [0] * len(states)
-        bconf = []
-        for s in states:
-            blk = dec.block_mask([s.k - 1])[0]
-            bconf.append(float(s.conf[blk].mean()) ** c.conf_weight if s.k > 0 else 1.0)
+        bconf = [block_conf(dec, s)[0] ** c.conf_weight for s in states]
         open_ = [i for i, t in enumerate(terminal) if not t]
         for i, t in enumerate(terminal):
             if t:
@@ -387,17 +384,16 @@ class Searcher:
         if self.revise and c.max_revisions > 0:
             todo = []
             for i, s in enumerate(states):
-                blk = dec.block_mask([s.k - 1])[0]
-                low = float(s.conf[blk].min())
+                low = block_conf(dec, s)[1]
                 if s.revisions < c.max_revisions and (vals[i] < c.tau_rev or low < c.gamma):
                     todo.append(i)
             if todo:
                 xs, cs, ks = [], [], []
                 for i in todo:
                     s = states[i]
-                    blk = dec.block_mask([s.k - 1])[0]
-                    n_re = max(1, min(int(c.rho * dec.B), int((s.conf[blk] < c.gamma).sum())))
+                    blk = dec.block_mask([s.k - 1])[0] & (s.conf > 0)
                     idx = blk.nonzero().flatten()
+                    n_re = max(1, min(int(c.rho * dec.B), int((s.conf[idx] < c.gamma).sum())))
                     worst = idx[s.conf[idx].argsort()[:n_re]]
                     x = sketch[i].clone()
                     x[worst] = dec.mask
@@ -426,6 +422,19 @@ class Searcher:
                         nodes[i].state.revisions += 1
         return [Evaluation(min(1.0, max(0.0, v)), Cost(nfe=n, value_calls=k))
                 for v, n, k in zip(vals, nfe, calls)]
+
+
+def block_conf(dec: Decoder, s: State) -> tuple[float, float]:
+    """(mean, min) confidence of the tokens the model wrote in the state's last block; the
+    `<eos>` that `close` put after an answer (confidence 0: nothing predicted it) is left out.
+    (1, 1) when the model wrote none there."""
+    if s.k == 0:
+        return 1.0, 1.0
+    blk = dec.block_mask([s.k - 1])[0] & (s.conf > 0)
+    if not bool(blk.any()):
+        return 1.0, 1.0
+    vals = s.conf[blk]
+    return float(vals.mean()), float(vals.min())
 
 
 # --- arms -----------------------------------------------------------------------------------
@@ -621,8 +630,8 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
             ctx.log_metrics({f"wall_s/{r['arm']}/x{r['budget'] // V}/seed{seed}":
                              float(r["wall_seconds_per_problem"])})
     frame = pl.DataFrame(rows).select("seed", "arm", "unit", "mult", "budget", "problem",
-                                      "steps", "score", "nfe", "generations", "output_tokens",
-                                      "value_calls")
+                                      "steps", "score", "nfe", "generations", "input_tokens",
+                                      "output_tokens", "value_calls")
     values = pl.DataFrame(vlog, schema={"seed": pl.Int64, "arm": pl.String, "mult": pl.Int64,
                                         "problem": pl.String, "value": pl.Float64,
                                         "majority_right": pl.Boolean})

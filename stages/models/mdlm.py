@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -58,6 +58,10 @@ class Config(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    arch: Literal["bert", "modernbert"] = Field(
+        "modernbert", description="bidirectional HF class: ModernBERT (pre-norm, rotary "
+                                  "positions, GeGLU: the Llama-style block LLaDA uses, without "
+                                  "the causal mask) or the original post-norm BERT")
     hidden_size: int = Field(128, ge=16, le=8192, description="width d [spec: 128]")
     num_layers: int = Field(4, ge=1, le=64, description="layers [spec: 4]")
     num_heads: int = Field(4, ge=1, le=64, description="attention heads")
@@ -76,13 +80,26 @@ def add_mask_token(tokenizer: Any) -> int:
 
 def build_mdlm(cfg: Config, tokenizer: Any) -> Any:
     """A fresh bidirectional `BertForMaskedLM` over `tokenizer` (which must have `<mask>`)."""
-    from transformers import BertConfig, BertForMaskedLM
+    from transformers import (BertConfig, BertForMaskedLM, ModernBertConfig,
+                              ModernBertForMaskedLM)
 
     if tokenizer.mask_token_id is None:
         raise ValueError("build_mdlm: the tokenizer has no mask token; call add_mask_token")
     if cfg.hidden_size % cfg.num_heads:
         raise ValueError(f"hidden_size {cfg.hidden_size} is not a multiple of num_heads "
                          f"{cfg.num_heads}")
+    if cfg.arch == "modernbert":
+        # every layer global (a window as long as the context): a block attends to all of it
+        config = ModernBertConfig(
+            vocab_size=len(tokenizer), hidden_size=cfg.hidden_size,
+            num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+            intermediate_size=cfg.intermediate_size, max_position_embeddings=cfg.max_positions,
+            layer_types=["full_attention"] * cfg.num_layers, local_attention=cfg.max_positions,
+            pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id, cls_token_id=tokenizer.bos_token_id,
+            sep_token_id=tokenizer.eos_token_id, tie_word_embeddings=True,
+            attn_implementation="sdpa")
+        return ModernBertForMaskedLM(config)
     config = BertConfig(vocab_size=len(tokenizer), hidden_size=cfg.hidden_size,
                         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
                         intermediate_size=cfg.intermediate_size,
@@ -173,14 +190,25 @@ def llada_loss(logits: Any, x0: Any, masked: Any, t: Any, response_len: int) -> 
     return per_row.mean()
 
 
+def stratified_t(n: int, generator: Any) -> Any:
+    """n mask ratios in (0, 1]: one uniform draw per stratum ((i + u_i) / n), shuffled. Each is
+    still U(0, 1] marginally, so the objective is unchanged; the batch mean of the 1/t-weighted
+    loss has a lower variance (the low-discrepancy sampler of MDLM, Sahoo et al. 2024, arXiv
+    2406.07524 §3.3)."""
+    import torch
+
+    u = (torch.arange(n) + torch.rand(n, generator=generator)) / n
+    return u[torch.randperm(n, generator=generator)].clamp_(min=1e-6)
+
+
 def train_mdlm(model: Any, rows: Any, prompt_len: int, mask_id: int, *, steps: int,
                batch_size: int, lr: float, seed: int, warmup: float = 0.05,
-               min_lr_ratio: float = 0.1, eps: float = 1e-3,
+               min_lr_ratio: float = 0.1, eps: float = 1e-3, stratified: bool = False,
                log: Callable[[dict[str, float], int], None] | None = None,
                log_every: int = 50) -> dict[str, float]:
     """Train `model` in place on fixed-length rows (LongTensor (N, S)) with the LLaDA
     objective: AdamW (beta2 0.98), linear warm-up then cosine decay to `lr * min_lr_ratio`,
-    gradient clipping at 1. t ~ U(eps, 1] keeps 1/t finite."""
+    gradient clipping at 1. t ~ U(eps, 1] (stratified over the batch) keeps 1/t finite."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
@@ -203,7 +231,8 @@ def train_mdlm(model: Any, rows: Any, prompt_len: int, mask_id: int, *, steps: i
     for step in range(steps):
         idx = torch.randint(0, n, (batch_size,), generator=gen)
         x0, a = rows[idx], attn[idx]
-        t = eps + (1 - eps) * torch.rand(batch_size, generator=gen)
+        u = stratified_t(batch_size, gen) if stratified else torch.rand(batch_size, generator=gen)
+        t = eps + (1 - eps) * u
         xt, masked = llada_mask(x0, response.expand_as(x0), t, mask_id, gen)
         logits = model(input_ids=xt, attention_mask=a).logits
         loss = llada_loss(logits, x0, masked, t, response_len)
