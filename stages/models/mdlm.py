@@ -59,7 +59,7 @@ class Config(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     arch: Literal["bert", "modernbert"] = Field(
-        "modernbert", description="bidirectional HF class: ModernBERT (pre-norm, rotary "
+        "bert", description="bidirectional HF class: ModernBERT (pre-norm, rotary "
                                   "positions, GeGLU: the Llama-style block LLaDA uses, without "
                                   "the causal mask) or the original post-norm BERT")
     hidden_size: int = Field(128, ge=16, le=8192, description="width d [spec: 128]")
@@ -190,25 +190,14 @@ def llada_loss(logits: Any, x0: Any, masked: Any, t: Any, response_len: int) -> 
     return per_row.mean()
 
 
-def stratified_t(n: int, generator: Any) -> Any:
-    """n mask ratios in (0, 1]: one uniform draw per stratum ((i + u_i) / n), shuffled. Each is
-    still U(0, 1] marginally, so the objective is unchanged; the batch mean of the 1/t-weighted
-    loss has a lower variance (the low-discrepancy sampler of MDLM, Sahoo et al. 2024, arXiv
-    2406.07524 §3.3)."""
-    import torch
-
-    u = (torch.arange(n) + torch.rand(n, generator=generator)) / n
-    return u[torch.randperm(n, generator=generator)].clamp_(min=1e-6)
-
-
 def train_mdlm(model: Any, rows: Any, prompt_len: int, mask_id: int, *, steps: int,
                batch_size: int, lr: float, seed: int, warmup: float = 0.05,
-               min_lr_ratio: float = 0.1, eps: float = 1e-3, stratified: bool = False,
+               min_lr_ratio: float = 0.1, eps: float = 1e-3,
                log: Callable[[dict[str, float], int], None] | None = None,
                log_every: int = 50) -> dict[str, float]:
     """Train `model` in place on fixed-length rows (LongTensor (N, S)) with the LLaDA
     objective: AdamW (beta2 0.98), linear warm-up then cosine decay to `lr * min_lr_ratio`,
-    gradient clipping at 1. t ~ U(eps, 1] (stratified over the batch) keeps 1/t finite."""
+    gradient clipping at 1. t ~ U(eps, 1] keeps 1/t finite."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
@@ -231,8 +220,7 @@ def train_mdlm(model: Any, rows: Any, prompt_len: int, mask_id: int, *, steps: i
     for step in range(steps):
         idx = torch.randint(0, n, (batch_size,), generator=gen)
         x0, a = rows[idx], attn[idx]
-        u = stratified_t(batch_size, gen) if stratified else torch.rand(batch_size, generator=gen)
-        t = eps + (1 - eps) * u
+        t = eps + (1 - eps) * torch.rand(batch_size, generator=gen)
         xt, masked = llada_mask(x0, response.expand_as(x0), t, mask_id, gen)
         logits = model(input_ids=xt, attention_mask=a).logits
         loss = llada_loss(logits, x0, masked, t, response_len)
