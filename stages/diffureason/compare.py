@@ -49,7 +49,8 @@ def per_problem(frame: Any, arm: str, mult: int, col: str = "score") -> dict[str
     import polars as pl
 
     part = frame.filter((pl.col("arm") == arm) & (pl.col("mult") == mult))
-    agg = part.group_by("problem").agg(pl.col(col).cast(pl.Float64).mean())
+    agg = part.sort("seed").group_by("problem", maintain_order=True).agg(
+        pl.col(col).cast(pl.Float64).mean())
     return dict(zip(agg["problem"].to_list(), agg[col].to_list()))
 
 
@@ -105,8 +106,10 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
             metrics[f"{arm}/x{m}/nfe"] = float(part[m]["nfe"])
     # per-seed accuracy spread at the top multiplier (seeds are the training repeats)
     for arm in arms:
+        # sorted: polars' group order varies run to run, and the float sums would follow it
         per_seed = (frame.filter((pl.col("arm") == arm) & (pl.col("mult") == top))
-                    .group_by("seed").agg(pl.col("score").mean())["score"].to_list())
+                    .group_by("seed").agg(pl.col("score").mean()).sort("seed")["score"]
+                    .to_list())
         metrics[f"{arm}/x{top}/seed_sd"] = stats.mean_std(per_seed)[1]
     metrics["vanilla_nfe"] = float(V)
     metrics["hardest_steps"] = float(hardest)
