@@ -194,6 +194,15 @@ STAGES: dict[str, dict[str, str]] = {
         "steer_eval": "stages.cotfsm.steer",
         "compare": "stages.cotfsm.compare",
     },
+    # DiffuReason: a tiny masked-diffusion LM (LLaDA objective) and its AR twin on modular
+    # arithmetic with a chain of thought; UCT over thought blocks with coarse-rollout values and
+    # in-place revision vs vanilla, best-of-N and AR + MCTS on an NFE grid.
+    "diffureason": {
+        "problems": "stages.diffureason.task",
+        "train": "stages.diffureason.train",
+        "search": "stages.diffureason.search",
+        "compare": "stages.diffureason.compare",
+    },
 }
 
 # How each pipeline's README results table is rendered from its DVC metrics ("module:function"
@@ -215,6 +224,7 @@ REPORTS: dict[str, str] = {
     "ddr": "stages.ddr.compare:results_table",
     "refine_prover": "stages.refine_prover.compare:results_table",
     "cotfsm": "stages.cotfsm.compare:results_table",
+    "diffureason": "stages.diffureason.compare:results_table",
 }
 
 # The root README's pipeline table (`paperline report` renders it with the measured `cpu` wall
@@ -266,4 +276,8 @@ PAPERS: dict[str, dict[str, str]] = {
     "cotfsm": {"paper": "CoT-FSM, arXiv 2510.22437",
                "compares": "Q-value activation steering at sentence ends vs greedy, weighted and "
                            "no steering of a tiny model's state-templated CoTs, on an nfe grid"},
+    "diffureason": {"paper": "DiffuReason, ICML 2026 (no arXiv copy)",
+                    "compares": "UCT over thought blocks of a tiny diffusion LM (coarse-rollout "
+                                "value, in-place revision) vs vanilla decoding, best-of-N and AR "
+                                "+ MCTS on an NFE grid"},
 }

@@ -90,6 +90,8 @@ INPUTS: dict[str, Callable[[], FrameSpec]] = {
     "cotfsm/lm_train (train)": _attr("stages.cotfsm.traces", "trace_spec", "lm_train"),
     "cotfsm/problems (fit_fsm, steer_eval)": _attr("stages.cotfsm.traces", "trace_spec", "test"),
     "cotfsm/results (compare)": _attr("stages.cotfsm.compare", "results_spec"),
+    "diffureason/problems (train, search)": _attr("stages.diffureason.task", "problem_spec"),
+    "diffureason/results (compare)": _attr("stages.diffureason.search", "result_spec"),
     "agents/episodes (agents.trajectories.read_rollouts)": _attr(
         "stages.agents.trajectories", "episode_expectations"),
     "agents/steps (agents.trajectories.read_rollouts)": _attr(
@@ -233,7 +235,8 @@ def test_every_reading_module_is_covered():
                "stages/train/vlm.py", "stages/gift/compare.py",
                "stages/ddr/expert.py", "stages/ddr/explore.py", "stages/ddr/score.py",
                "stages/refine_prover/train.py", "stages/refine_prover/compare.py",
-               "stages/cotfsm/traces.py", "stages/cotfsm/compare.py"} | set(INLINE)
+               "stages/cotfsm/traces.py", "stages/cotfsm/compare.py",
+               "stages/diffureason/task.py", "stages/diffureason/compare.py"} | set(INLINE)
     readers = set()
     for path in (REPO / "stages").rglob("*.py"):
         tree = ast.parse(path.read_text())
