@@ -176,6 +176,17 @@ STAGES: dict[str, dict[str, str]] = {
         "score": "stages.ddr.score",
         "compare": "stages.ddr.compare",
     },
+    # PlugMem: LongMemEval-lite + two-hop corpus -> a learned structurer -> the knowledge-graph
+    # memory (thresholds recalibrated on val) and raw / BM25 / no-memory arms -> a learned reader.
+    "plugmem": {
+        "corpus": "stages.plugmem.corpus",
+        "train_structurer": "stages.plugmem.train",
+        "structure": "stages.plugmem.structure",
+        "memory": "stages.plugmem.memory",
+        "train_reader": "stages.plugmem.train",
+        "answer": "stages.plugmem.answer",
+        "compare": "stages.plugmem.compare",
+    },
     # Refine-Prover: a toy tactic language with a Python kernel (z3-certified statements, a
     # Coq `lia` cross-check), a tiny base prover and refiner (cold start + expert iteration), a
     # value model; i.i.d. sampling vs random / value-guided refinement trees on a budget grid.
@@ -213,6 +224,7 @@ REPORTS: dict[str, str] = {
     "maps": "stages.maps.compare:results_table",
     "gift": "stages.gift.compare:results_table",
     "ddr": "stages.ddr.compare:results_table",
+    "plugmem": "stages.plugmem.compare:results_table",
     "refine_prover": "stages.refine_prover.compare:results_table",
     "cotfsm": "stages.cotfsm.compare:results_table",
 }

@@ -87,6 +87,11 @@ INPUTS: dict[str, Callable[[], FrameSpec]] = {
     "maps/lengths (workload)": _attr("stages.maps.workload", "samples_spec"),
     "ddr/checklist (expert, explore, score)": _attr("stages.ddr.databases", "checklist_spec"),
     "ddr/insights (score)": _attr("stages.ddr.explore", "insight_spec"),
+    "plugmem/obs (train_structurer, structure, memory)": _attr("stages.plugmem.corpus",
+                                                               "obs_spec"),
+    "plugmem/questions (memory)": _attr("stages.plugmem.corpus", "question_spec"),
+    "plugmem/structured (memory)": _attr("stages.plugmem.structure", "structured_spec"),
+    "plugmem/contexts (train_reader, answer)": _attr("stages.plugmem.memory", "context_spec"),
     "cotfsm/lm_train (train)": _attr("stages.cotfsm.traces", "trace_spec", "lm_train"),
     "cotfsm/problems (fit_fsm, steer_eval)": _attr("stages.cotfsm.traces", "trace_spec", "test"),
     "cotfsm/results (compare)": _attr("stages.cotfsm.compare", "results_spec"),
@@ -232,6 +237,8 @@ def test_every_reading_module_is_covered():
                "stages/maps/workload.py", "stages/agents/trajectories.py",
                "stages/train/vlm.py", "stages/gift/compare.py",
                "stages/ddr/expert.py", "stages/ddr/explore.py", "stages/ddr/score.py",
+               "stages/plugmem/train.py", "stages/plugmem/structure.py",
+               "stages/plugmem/memory.py", "stages/plugmem/answer.py",
                "stages/refine_prover/train.py", "stages/refine_prover/compare.py",
                "stages/cotfsm/traces.py", "stages/cotfsm/compare.py"} | set(INLINE)
     readers = set()
