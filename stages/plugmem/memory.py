@@ -242,8 +242,10 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
                          f"{top_level} distractors per session (corpus.noise_levels)")
     learned = {t: json.loads(f) for t, f in zip(structured["text"], structured["facts"])}
     emb = EmbeddingCache(cfg.embed)
-    # embed every text once, in one batch (chunks, facts, tags, questions, query tags)
-    texts = [*obs["chunk"], *obs["fact"].filter(obs["fact"] != ""), *qs["question"]]
+    # embed every text once, in one batch (chunks, facts, tags, questions, query tags); the
+    # train seeds' chunks are never embedded (their arms are BM25 and oracle facts)
+    chunks = obs.filter(pl.col("split") != "train")["chunk"]
+    texts = [*chunks, *obs["fact"].filter(obs["fact"] != ""), *qs["question"]]
     texts += [t for tags in obs["tags"] for t in json.loads(tags)]
     texts += [s for fs in learned.values() for s, tags in fs] + \
         [t for fs in learned.values() for _, tags in fs for t in tags]

@@ -66,11 +66,11 @@ def quality(obs: pl.DataFrame, got: pl.DataFrame) -> dict[str, float]:
     """Against the oracle parser, over distinct observations."""
     o = obs.unique("text", keep="first").join(got, on="text")
     exact = value = facts = none_ok = nones = 0
-    for fact, tags, reply_facts in zip(o["fact"], o["tags"], o["facts"]):
+    for fact, tags, reply_facts, parsed in zip(o["fact"], o["tags"], o["facts"], o["parsed"]):
         mine = json.loads(reply_facts)
         if not fact:
             nones += 1
-            none_ok += not mine
+            none_ok += bool(parsed) and not mine          # a parsed NONE, not a failed parse
             continue
         facts += 1
         exact += any(s == fact for s, _ in mine)
