@@ -27,7 +27,12 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 from benchmarks._results import write_section  # noqa: E402
 
 # The issues' targets for each pipeline's `cpu` profile on 2 cores (minutes); others: --target-min.
-TARGETS = {"bis": 15.0, "edco": 15.0, "r2vpo": 20.0, "hsir": 20.0}
+# The serving, vision, agent and search issues (17-21) say <= 8 min alone on 2 cores per paper,
+# the vision substrate ~10 min for all seeds.
+TARGETS = {"bis": 15.0, "edco": 15.0, "r2vpo": 20.0, "hsir": 20.0, "vlm": 10.0,
+           **dict.fromkeys(["ampd", "maps", "gift", "core", "bridgevlm", "same", "ddr",
+                            "early_experience", "plugmem", "cotfsm", "refine_prover",
+                            "diffureason"], 8.0)}
 
 
 def stage_minutes(run) -> float:
