@@ -255,6 +255,9 @@ PAPERS: dict[str, dict[str, str]] = {
     "ddr": {"paper": "DDR, arXiv 2602.02039",
             "compares": "question-free database exploration: a learned (imitation) explorer vs "
                         "scripted breadth-first, depth-first, random and reactive explorers"},
+    "plugmem": {"paper": "PlugMem, arXiv 2603.03296",
+                "compares": "knowledge-graph memory (learned structurer, tag votes, reasoning) vs "
+                            "no memory, raw-chunk and BM25 retrieval, read by a learned reader"},
     "refine_prover": {"paper": "Refine-Prover, arXiv 2604.18587",
                       "compares": "feedback-conditioned proof repair trees (random, value-guided) "
                                   "vs i.i.d. sampling, long-history and untrained refiners at "
