@@ -87,7 +87,9 @@ def by_seed(runs: Any, arm: str, col: str, load_index: int | None = None) -> dic
     f = runs.filter(pl.col("arm") == arm)
     if load_index is not None:
         f = f.filter(pl.col("load_index") == load_index)
-    g = f.group_by("seed").agg(pl.col(col).mean())
+    # sorted: polars' group_by order varies run to run, and sums over seeds in another order
+    # differ in the last bit (the same inputs must give the same bytes)
+    g = f.group_by("seed").agg(pl.col(col).mean()).sort("seed")
     return dict(zip(g["seed"].to_list(), g[col].to_list()))
 
 
