@@ -110,5 +110,5 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
 
 
 def headline(details: dict[str, float]) -> dict[str, float]:
-    return {"eval_questions": sum(v for k, v in details.items() if k.startswith("eval/q_")),
-            "eval_updates": details["eval/q_update"], "vocab": details["vocab"]}
+    """One key: the pipeline's `dvc metrics show` must stay under 250 characters a line."""
+    return {"eval_questions": sum(v for k, v in details.items() if k.startswith("eval/q_"))}
