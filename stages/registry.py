@@ -176,6 +176,17 @@ STAGES: dict[str, dict[str, str]] = {
         "score": "stages.ddr.score",
         "compare": "stages.ddr.compare",
     },
+    # PlugMem: LongMemEval-lite + two-hop corpus -> a learned structurer -> the knowledge-graph
+    # memory (thresholds recalibrated on val) and raw / BM25 / no-memory arms -> a learned reader.
+    "plugmem": {
+        "corpus": "stages.plugmem.corpus",
+        "train_structurer": "stages.plugmem.train",
+        "structure": "stages.plugmem.structure",
+        "memory": "stages.plugmem.memory",
+        "train_reader": "stages.plugmem.train",
+        "answer": "stages.plugmem.answer",
+        "compare": "stages.plugmem.compare",
+    },
     # Refine-Prover: a toy tactic language with a Python kernel (z3-certified statements, a
     # Coq `lia` cross-check), a tiny base prover and refiner (cold start + expert iteration), a
     # value model; i.i.d. sampling vs random / value-guided refinement trees on a budget grid.
@@ -222,6 +233,7 @@ REPORTS: dict[str, str] = {
     "maps": "stages.maps.compare:results_table",
     "gift": "stages.gift.compare:results_table",
     "ddr": "stages.ddr.compare:results_table",
+    "plugmem": "stages.plugmem.compare:results_table",
     "refine_prover": "stages.refine_prover.compare:results_table",
     "cotfsm": "stages.cotfsm.compare:results_table",
     "diffureason": "stages.diffureason.compare:results_table",
@@ -253,6 +265,9 @@ PAPERS: dict[str, dict[str, str]] = {
     "ddr": {"paper": "DDR, arXiv 2602.02039",
             "compares": "question-free database exploration: a learned (imitation) explorer vs "
                         "scripted breadth-first, depth-first, random and reactive explorers"},
+    "plugmem": {"paper": "PlugMem, arXiv 2603.03296",
+                "compares": "knowledge-graph memory (learned structurer, tag votes, reasoning) vs "
+                            "no memory, raw-chunk and BM25 retrieval, read by a learned reader"},
     "refine_prover": {"paper": "Refine-Prover, arXiv 2604.18587",
                       "compares": "feedback-conditioned proof repair trees (random, value-guided) "
                                   "vs i.i.d. sampling, long-history and untrained refiners at "
