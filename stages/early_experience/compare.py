@@ -40,7 +40,7 @@ class Config(BaseModel):
 
 def seeds_of(m: dict[str, float]) -> list[int]:
     return sorted({int(k.split("/")[1][1:]) for k in m
-                   if k.startswith("il/s") and k.endswith("/success_test")})
+                   if k.startswith("il/s") and k.endswith("/success_test") and k.count("/") == 2})
 
 
 def per_seed(m: dict[str, float], setting: str, split: str, seeds: list[int]

@@ -70,7 +70,9 @@ class Config(BaseModel):
     intermediate_size: int = Field(128, ge=16, le=16384)
     max_positions: int = Field(384, ge=64, le=8192, description="context, characters + 2")
     prompt: PromptFormat
-    num_threads: int = Field(0, ge=0, le=256)
+    num_threads: int = Field(0, ge=0, le=256, description="torch threads (workers = 1)")
+    workers: int = Field(1, ge=1, le=64, description="models trained at once, one process "
+                         "(1 thread) each")
     register_as: str = "early-experience-policy"
 
     @field_validator("arms")
@@ -170,21 +172,62 @@ def train_dpo(model: Any, tokenizer: Any, prompts: list[str], chosen: list[str],
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
         accs.append(float(((pi_c - ref_c) > (pi_r - ref_r)).float().mean()))
     model.eval()
     tail = max(1, steps // 5)
     return {"dpo_loss": sum(losses[-tail:]) / tail, "dpo_pref_acc": sum(accs[-tail:]) / tail}
 
 
-def run(cfg: Config, ctx: Any) -> dict[str, float]:
+def train_one(job: dict[str, Any]) -> dict[str, float]:
+    """Train one (setting, seed) from scratch and save it to `job["out"]`; returns its losses
+    and wall times. A plain function of plain data: the stage runs it in a pool of processes."""
+    import time
+
     import torch
 
     from stages.models import base
     from stages.models.tokenizer import build_tokenizer
     from stages.train.sft import sft
 
-    base.set_threads(cfg.num_threads)
+    t0 = time.perf_counter()
+    cfg, arm, seed, data = Config.model_validate(job["cfg"]), job["arm"], job["seed"], job["data"]
+    base.set_threads(job["threads"])
+    tokenizer = build_tokenizer(CHARS)
+    torch.manual_seed(seed)
+    model = base.build_model(base.Config(
+        hidden_size=cfg.hidden_size, num_layers=cfg.num_layers, num_heads=cfg.num_heads,
+        intermediate_size=cfg.intermediate_size, max_positions=cfg.max_positions), tokenizer)
+    common = dict(batch_size=cfg.batch_size, lr=cfg.lr, seed=seed, warmup=cfg.warmup,
+                  min_lr_ratio=cfg.min_lr_ratio, log_every=max(1, cfg.steps // 4))
+    il_p, il_t = data["il"]
+    if arm == "il":
+        m = sft(model, tokenizer, il_p, il_t, steps=cfg.steps, **common)
+    elif arm == "iwm":
+        n1, n2 = split_updates(cfg.steps, cfg.iwm_share)
+        wm = sft(model, tokenizer, *data["iwm"], steps=n1, **common)
+        m = sft(model, tokenizer, il_p, il_t, steps=n2, **common)
+        m["iwm_loss"] = wm["train_loss"]
+    elif arm == "sr":
+        m = sft(model, tokenizer, *data["sr"], steps=cfg.steps, **common)
+    else:
+        n1, n2 = split_updates(cfg.steps, 1 - cfg.dpo_share)
+        m = sft(model, tokenizer, il_p, il_t, steps=n1, **common)
+        m.update(train_dpo(model, tokenizer, *data["dpo"], steps=n2, batch_size=cfg.batch_size,
+                           lr=cfg.lr / 3, beta=cfg.dpo_beta, seed=seed,
+                           min_lr_ratio=cfg.min_lr_ratio))
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.bos_token_id = tokenizer.bos_token_id
+    io.save_model(model, tokenizer, job["out"])
+    m["train_seconds"] = time.perf_counter() - t0
+    return {k: float(v) for k, v in m.items()}
+
+
+def run(cfg: Config, ctx: Any) -> dict[str, float]:
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
     fmt = cfg.prompt
     episodes, steps = read_rollouts(ctx.path("ee_shop") / "expert")
     exp = read_parquet_checked(ctx.path("ee_experience"), experience_spec())
@@ -193,74 +236,59 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     if wanted > largest_k:
         raise ValueError(f"train: K = {wanted} asked but the experience stage drew at most "
                          f"{largest_k} alternatives per state (raise experience.k)")
+    from stages.models.tokenizer import build_tokenizer
+
     tokenizer = build_tokenizer(CHARS)
-    max_len = cfg.max_positions
     demo_ids = sorted(episodes.filter(pl.col("success"))["episode_id"].to_list(),
                       key=lambda s: int(s.split("/")[1]))
     out: dict[str, float] = {"updates": float(cfg.steps), "demos": float(len(demo_ids))}
     root = ctx.path("ee_policies")
+    jobs = []
     with io.atomic_path(root, is_dir=True) as tmp:
         for name, arm, frac, k in settings(cfg):
             n_demo = max(1, round(frac * len(demo_ids)))
             keep_ids = demo_ids[:n_demo]
-            keep_eps = {int(s.split("/")[1]) for s in keep_ids}
+            keep_eps = sorted(int(s.split("/")[1]) for s in keep_ids)
             il_p, il_t = il_examples(episodes.filter(pl.col("episode_id").is_in(keep_ids)),
                                      steps)
-            rows = exp.filter(pl.col("episode").is_in(sorted(keep_eps))).to_dicts()
-            extra: dict[str, tuple[list[str], ...]] = {}
+            rows = exp.filter(pl.col("episode").is_in(keep_eps)).to_dicts()
+            data: dict[str, Any] = {"il": (il_p, il_t)}
             if arm == "iwm":
-                extra["iwm"] = iwm_examples(rows, fmt, k)
+                data["iwm"] = iwm_examples(rows, fmt, k)
             elif arm == "sr":
                 sp, st = sr_examples(rows, fmt, k)
-                extra["sr"] = (il_p + sp, il_t + st)
+                data["sr"] = (il_p + sp, il_t + st)
+                out[f"{name}/sr_examples"] = float(len(sp))
             elif arm == "dpo":
-                extra["dpo"] = dpo_pairs(rows, fmt, k)
-            for p, t in [(il_p, il_t)] + [(e[0], e[-1]) for e in extra.values()]:
-                check_examples(tokenizer, p, t, max_len)
-            if arm == "dpo":
-                check_examples(tokenizer, extra["dpo"][0], extra["dpo"][1], max_len)
+                data["dpo"] = dpo_pairs(rows, fmt, k)
+                check_examples(tokenizer, data["dpo"][0], data["dpo"][1], cfg.max_positions)
+            for p, *_, t in data.values():     # every example fits and has no <unk>
+                check_examples(tokenizer, p, t, cfg.max_positions)
             out[f"{name}/demos"] = float(n_demo)
             out[f"{name}/il_examples"] = float(len(il_p))
             out[f"{name}/k"] = float(k)
+            if arm == "iwm":
+                out[f"{name}/iwm_examples"] = float(len(data["iwm"][0]))
+            if arm == "dpo":
+                out[f"{name}/dpo_pairs"] = float(len(data["dpo"][0]))
             for seed in cfg.seeds:
-                torch.manual_seed(seed)
-                model = base.build_model(base.Config(
-                    hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
-                    num_heads=cfg.num_heads, intermediate_size=cfg.intermediate_size,
-                    max_positions=cfg.max_positions), tokenizer)
-                common = dict(batch_size=cfg.batch_size, lr=cfg.lr, seed=seed,
-                              warmup=cfg.warmup, min_lr_ratio=cfg.min_lr_ratio,
-                              log_every=max(1, cfg.steps // 4))
-                m: dict[str, float] = {}
-                if arm == "il":
-                    m = sft(model, tokenizer, il_p, il_t, steps=cfg.steps, **common)
-                elif arm == "iwm":
-                    n1, n2 = split_updates(cfg.steps, cfg.iwm_share)
-                    wm = sft(model, tokenizer, *extra["iwm"], steps=n1, **common)
-                    m = sft(model, tokenizer, il_p, il_t, steps=n2, **common)
-                    m["iwm_loss"] = wm["train_loss"]
-                    out[f"{name}/iwm_examples"] = float(len(extra["iwm"][0]))
-                elif arm == "sr":
-                    m = sft(model, tokenizer, *extra["sr"], steps=cfg.steps, **common)
-                    out[f"{name}/sr_examples"] = float(len(extra["sr"][0]) - len(il_p))
-                else:
-                    n1, n2 = split_updates(cfg.steps, 1 - cfg.dpo_share)
-                    m = sft(model, tokenizer, il_p, il_t, steps=n1, **common)
-                    m.update(train_dpo(model, tokenizer, *extra["dpo"], steps=n2,
-                                       batch_size=cfg.batch_size, lr=cfg.lr / 3,
-                                       beta=cfg.dpo_beta, seed=seed,
-                                       min_lr_ratio=cfg.min_lr_ratio))
-                    out[f"{name}/dpo_pairs"] = float(len(extra["dpo"][0]))
-                model.generation_config.pad_token_id = tokenizer.pad_token_id
-                model.generation_config.eos_token_id = tokenizer.eos_token_id
-                model.generation_config.bos_token_id = tokenizer.bos_token_id
-                io.save_model(model, tokenizer, tmp / name / f"s{seed}")
-                for key in ("train_loss", "iwm_loss", "dpo_loss", "dpo_pref_acc"):
-                    if key in m:
-                        out[f"{name}/s{seed}/{key}"] = float(m[key])
-                for key, v in m.items():
-                    if io.is_timing_key(key):
-                        ctx.log_metrics({f"{name}/{key}": float(v)})
+                jobs.append((name, seed, {"cfg": cfg.model_dump(), "arm": arm, "seed": seed,
+                                          "data": data, "out": str(tmp / name / f"s{seed}"),
+                                          "threads": cfg.num_threads if cfg.workers == 1
+                                          else 1}))
+        if cfg.workers == 1:
+            results = [train_one(job) for _, _, job in jobs]
+        else:
+            # one model per process: at this size two 1-thread processes beat one 2-thread one
+            with ProcessPoolExecutor(min(cfg.workers, len(jobs)),
+                                     mp_context=multiprocessing.get_context("spawn")) as pool:
+                results = list(pool.map(train_one, [job for _, _, job in jobs]))
+    for (name, seed, _), m in zip(jobs, results, strict=True):
+        for key, v in m.items():
+            if io.is_timing_key(key):
+                ctx.log_metrics({f"{name}/s{seed}/{key}": v})
+            else:
+                out[f"{name}/s{seed}/{key}"] = v
     if ctx.tracker is not None:
         for arm in cfg.arms:
             tags = {"arm": arm, "updates": str(cfg.steps), "k": str(cfg.k)}

@@ -87,6 +87,12 @@ INPUTS: dict[str, Callable[[], FrameSpec]] = {
     "maps/lengths (workload)": _attr("stages.maps.workload", "samples_spec"),
     "ddr/checklist (expert, explore, score)": _attr("stages.ddr.databases", "checklist_spec"),
     "ddr/insights (score)": _attr("stages.ddr.explore", "insight_spec"),
+    "early_experience/items (experience, evaluate)": _attr("stages.early_experience.shop",
+                                                           "item_spec"),
+    "early_experience/goals (experience, evaluate)": _attr("stages.early_experience.shop",
+                                                           "goal_spec"),
+    "early_experience/experience (train)": _attr("stages.early_experience.explore",
+                                                 "experience_spec"),
     "cotfsm/lm_train (train)": _attr("stages.cotfsm.traces", "trace_spec", "lm_train"),
     "cotfsm/problems (fit_fsm, steer_eval)": _attr("stages.cotfsm.traces", "trace_spec", "test"),
     "cotfsm/results (compare)": _attr("stages.cotfsm.compare", "results_spec"),
@@ -232,6 +238,7 @@ def test_every_reading_module_is_covered():
                "stages/maps/workload.py", "stages/agents/trajectories.py",
                "stages/train/vlm.py", "stages/gift/compare.py",
                "stages/ddr/expert.py", "stages/ddr/explore.py", "stages/ddr/score.py",
+               "stages/early_experience/shop.py", "stages/early_experience/train.py",
                "stages/refine_prover/train.py", "stages/refine_prover/compare.py",
                "stages/cotfsm/traces.py", "stages/cotfsm/compare.py"} | set(INLINE)
     readers = set()
