@@ -27,7 +27,22 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 from benchmarks._results import write_section  # noqa: E402
 
 # The issues' targets for each pipeline's `cpu` profile on 2 cores (minutes); others: --target-min.
-TARGETS = {"bis": 15.0, "edco": 15.0, "r2vpo": 20.0, "hsir": 20.0}
+# The serving, vision, agent and search issues (17-21) say <= 8 min alone on 2 cores per paper,
+# the vision substrate ~10 min for all seeds.
+TARGETS = {"base": 15.0, "bis": 15.0, "edco": 15.0, "proofverify": 15.0, "racer": 15.0,
+           "trace": 15.0, "r2vpo": 20.0, "hsir": 20.0, "vlm": 10.0,
+           **dict.fromkeys(["ampd", "maps", "gift", "core", "bridgevlm", "same", "ddr",
+                            "early_experience", "plugmem", "cotfsm", "refine_prover",
+                            "diffureason"], 8.0)}
+
+
+def retarget(row: str, default: float) -> str:
+    """A kept row with its target cell recomputed from TARGETS (targets change; walls do not)."""
+    cells = row.split("|")
+    name, wall = cells[1].strip(), float(cells[4])
+    target = TARGETS.get(name, default)
+    cells[5] = f" {target:.0f}: {'met' if wall <= target else 'MISSED'} "
+    return "|".join(cells)
 
 
 def stage_minutes(run) -> float:
@@ -118,7 +133,8 @@ def main() -> None:
                      f"| {wall:.1f} | {target:.0f}: {'met' if wall <= target else 'MISSED'} | {slow} "
                      f"| {ended:%Y-%m-%d %H:%M} |")
     measured = {line.split("|")[1].strip() for line in lines[2:]}
-    kept = [row for row in previous_rows() if row.split("|")[1].strip() not in measured]
+    kept = [retarget(row, args.target_min) for row in previous_rows()
+            if row.split("|")[1].strip() not in measured]
     rows = sorted(lines[2:] + kept, key=lambda row: row.split("|")[1].strip())
     lines = lines[:2] + rows
     body = (f"`.venv/bin/python benchmarks/pipeline_wall.py <slugs>` (this time: "

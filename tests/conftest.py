@@ -83,6 +83,32 @@ def set_params(repo: Path, **updates: object) -> None:
     path.write_text(yaml.safe_dump(params, sort_keys=False))
 
 
+def assert_bad_param_rejected(pipeline_dir: Path, pipeline: str, stage: str, dotted: str,
+                              value: object, named: str, untouched: Path) -> None:
+    """Set `dotted` in the pipeline's params.yaml to a bad `value`, run the stage's process and
+    assert it fails naming the parameter's section and `named`, before compute: `untouched` (an
+    output of an earlier run) is not rewritten. params.yaml is restored whatever happens."""
+    params = pipeline_dir / "params.yaml"
+    original = params.read_text()
+    before = untouched.stat().st_mtime_ns
+    try:
+        data = yaml.safe_load(original)
+        node = data
+        *sections, key = dotted.split(".")
+        for k in sections:
+            node = node[k]
+        node[key] = value
+        params.write_text(yaml.safe_dump(data, sort_keys=False))
+        proc = subprocess.run([sys.executable, "-m", "stages", pipeline, stage], cwd=pipeline_dir,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode != 0, proc.stdout[-2000:]
+        assert key in proc.stderr and named in proc.stderr, proc.stderr[-2000:]
+        assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    finally:
+        params.write_text(original)
+    assert untouched.stat().st_mtime_ns == before
+
+
 def dvc(repo: Path, *args: str, check: bool = True, timeout: int = 900) -> subprocess.CompletedProcess:
     proc = subprocess.run([str(Path(sys.executable).parent / "dvc"), *args], cwd=repo,
                           capture_output=True, text=True, timeout=timeout)

@@ -87,7 +87,9 @@ def by_seed(runs: Any, arm: str, col: str, load_index: int | None = None) -> dic
     f = runs.filter(pl.col("arm") == arm)
     if load_index is not None:
         f = f.filter(pl.col("load_index") == load_index)
-    g = f.group_by("seed").agg(pl.col(col).mean())
+    # sorted: polars' group_by order varies run to run, and sums over seeds in another order
+    # differ in the last bit (the same inputs must give the same bytes)
+    g = f.group_by("seed").agg(pl.col(col).mean()).sort("seed")
     return dict(zip(g["seed"].to_list(), g[col].to_list()))
 
 
@@ -205,6 +207,37 @@ def _png(m: dict[str, float], path: Any) -> None:
     plt.close(fig)
 
 
+def rounds_spec():
+    """What compare reads from rounds.parquet (one row per arm, seed, load, session and round)."""
+    import polars as pl
+
+    from stages.core.checks import ColumnSpec, FrameSpec
+
+    return FrameSpec(columns={"arm": ColumnSpec(dtype=pl.String),
+                              "seed": ColumnSpec(min=0), "load_index": ColumnSpec(min=0),
+                              "overtaken": ColumnSpec(min=0)})
+
+
+def overtake_shares(rounds: Any) -> dict[str, float]:
+    """`<arm>/overtaken/<i>`: the share of rounds that a later arrival overtook at least once in a
+    prefill queue, at load i, over all seeds (and `<arm>/overtaken` over every load), for the arms
+    that reorder. It says how often reordering acted at all: a reorder gain of exactly 0 with
+    almost no overtakes where SLOs are attainable is a test with nothing to measure, not evidence
+    against the reordering."""
+    import polars as pl
+
+    m: dict[str, float] = {}
+    moved = rounds.with_columns((pl.col("overtaken") > 0).cast(pl.Float64).alias("moved"))
+    for arm in ("reorder", "planned"):
+        r = moved.filter(pl.col("arm") == arm)
+        if r.is_empty():
+            continue
+        for (i,), g in sorted(r.group_by("load_index"), key=lambda kv: kv[0][0]):
+            m[f"{arm}/overtaken/{int(i)}"] = float(g["moved"].mean())
+        m[f"{arm}/overtaken"] = float(r["moved"].mean())
+    return m
+
+
 def run(cfg: Config, ctx: Any) -> dict[str, float]:
     import polars as pl
 
@@ -213,6 +246,8 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     plan_path = ctx.path("ampd_plan") / "plan.json"
     plan = read_json_checked(plan_path, PLAN_KEYS) if plan_path.is_file() else None
     m = summarize(runs, grid, cfg)
+    m.update(overtake_shares(read_parquet_checked(ctx.path("ampd_sim") / "rounds.parquet",
+                                                  rounds_spec())))
     if plan is not None:
         m["plan/prefill_replicas"] = float(sum(plan["prefill"].values()))
         m["plan/decode_replicas"] = float(sum(plan["decode"].values()))
@@ -276,6 +311,10 @@ def results_table(metrics: dict[str, dict[str, Any]]) -> str:
         c = stats.read_claim(m, f"claim/{name}")
         if c is not None:
             lines.append(f"- {CLAIM_TEXT[name]}: {c.sentence('{:+.1%}')}")
+    if "reorder/overtaken" in m:
+        by_load = ", ".join(_f(m.get(f"reorder/overtaken/{i}"), "{:.2%}") for i in loads)
+        lines.append(f"  - how often (e) reordered at all: {_f(m['reorder/overtaken'], '{:.2%}')} "
+                     f"of rounds were overtaken in a prefill queue (by load: {by_load})")
     if "claim/local_fraction/verdict" in m:
         verdict = stats.VERDICTS[int(m["claim/local_fraction/verdict"])]
         lo, hi = (stats.read_claim(m, f"claim/local_fraction_{s}") for s in ("low", "high"))

@@ -108,7 +108,8 @@ def summarize(arms: list[dict[str, Any]], evaluation: pl.DataFrame, curves: pl.D
     names = [a["name"] for a in arms]
     if full_arm not in names:
         raise ValueError(f"full_arm {full_arm!r} is not an arm of select: {names}")
-    finals = curves.sort("step").group_by(["arm", "seed"], maintain_order=True).last()
+    finals = curves.sort(["arm", "seed", "step"]).group_by(["arm", "seed"],
+                                                           maintain_order=True).last()
     full_level = float(finals.filter(pl.col("arm") == full_arm)["val_f1"].mean())
     m: dict[str, float] = {"full_val_f1": full_level}
     for arm in names:

@@ -220,15 +220,16 @@ def serve(path: str) -> None:
             if struct.unpack("3i", creds)[1] != uid:
                 raise PermissionError("peer of another user")
             request = _recv(conn, fds)
+            differs = [k for k in SAME_ENV if request["env"].get(k) != os.environ.get(k)]
+            if differs:  # a fresh interpreter would import other code: let the client run it
+                # (refused before the preload: a refused client does not wait for it)
+                _send(conn, {"refused": f"{', '.join(differs)} differ from the server's"})
+                raise ValueError(differs)
             if not preloaded:
                 for name in PRELOAD:
                     with contextlib.suppress(ImportError):
                         importlib.import_module(name)
                 preloaded = True
-            differs = [k for k in SAME_ENV if request["env"].get(k) != os.environ.get(k)]
-            if differs:  # a fresh interpreter would import other code: let the client run it
-                _send(conn, {"refused": f"{', '.join(differs)} differ from the server's"})
-                raise ValueError(differs)
             pid = os.fork()
         except (OSError, EOFError, ValueError):
             for fd in fds:

@@ -320,7 +320,8 @@ def summarize(frame: Any, arms: Sequence[str], budgets: Sequence[int]) -> dict[s
     per_seed = (frame.group_by(["arm", "budget", "seed"])
                 .agg(pl.col("correct").mean().alias("acc"),
                      pl.col("interventions").mean().alias("interventions"),
-                     pl.col("nfe").mean().alias("nfe"), pl.col("closed").mean().alias("closed")))
+                     pl.col("nfe").mean().alias("nfe"), pl.col("closed").mean().alias("closed"))
+                .sort(["arm", "budget", "seed"]))  # polars' group order varies run to run
     for arm in arms:
         for b in budgets:
             part = per_seed.filter((pl.col("arm") == arm) & (pl.col("budget") == b))

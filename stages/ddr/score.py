@@ -135,7 +135,7 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
 
     per_ep = df.group_by("arm", "seed", "budget", "entity").agg(
         acc=(pl.col("quality_m") == CORRECT).mean()).join(
-        ep, on=["arm", "seed", "budget", "entity"])
+        ep, on=["arm", "seed", "budget", "entity"]).sort("arm", "seed", "budget", "entity")
     for seed in seeds:
         g = per_ep.filter((pl.col("budget") == cfg.main_budget) & (pl.col("seed") == seed)
                           & pl.col("arm").is_in([a for a in cfg.arms if a != "reactive"]))

@@ -114,7 +114,8 @@ def summarize_arms(frames: dict[str, Any], baseline: str, prefix: str) -> dict[s
         p = f"{prefix}/{arm}"
         for key in ("acc", "acc_mul", "acc_plus_minus"):
             out[f"{p}/{key}_mean"], out[f"{p}/{key}_std"] = mean_std(final[key].to_list())
-        auc = [float(g["acc"].mean()) for _, g in trained.group_by("seed")]
+        auc = [float(g["acc"].mean())
+               for _, g in trained.group_by("seed", maintain_order=True)]
         out[f"{p}/auc_mean"], out[f"{p}/auc_std"] = mean_std(auc)
         for key in ("noisy_frac", "mul_share", "mean_difficulty", "frac_reward_zero_std"):
             if key in frame.columns:

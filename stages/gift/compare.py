@@ -11,7 +11,8 @@ Claims (GIFT, arXiv 2510.22067; numbers [secondary], GIFT spec §1):
 - CHAIR_I falls relative to greedy: paper -31% (15.4 -> 10.6);
 - GIFT beats VAF on CHAIR_S: paper -19.8% (VAF 49.6 -> GIFT 39.8);
 - the spec's predicted order on hallucination, full GIFT < visual-only < VAF (no number);
-- POPE F1 does not fall (paper +1.4 points, 82.4 -> 83.8), per negative kind.
+- POPE F1 does not fall (paper +1.4 points, 82.4 -> 83.8), per negative kind; not tested
+  (`pope_constant_answers` = 1) when greedy gives one answer to every question in every seed.
 
 Outputs: the README table (`results_table`), `<report>/samples.png` (test images with each
 arm's caption, first seed).
@@ -104,6 +105,16 @@ def claim_for(captions: Any, pope: Any, method: str, baseline: str, statistic: s
                                paper_effect=paper)
 
 
+def constant_answers(pope: Any, arm: str = "greedy") -> bool:
+    """True when `arm` gives one answer to every yes/no question in every seed (its yes-rate is
+    0 or 1 per seed): then no decoding change that keeps the answer tokens' argmax can move POPE,
+    and a POPE claim has nothing to measure (the `vlm` README: vlm-shapes at `cpu`)."""
+    import polars as pl
+
+    rates = pope.filter(pl.col("arm") == arm).group_by("seed").agg(pl.col("pred_yes").mean())
+    return bool(rates.height) and all(r in (0.0, 1.0) for r in rates["pred_yes"].to_list())
+
+
 def samples_figure(captions: Any, data_dir: Any, n: int, path: Any) -> None:
     """n test images of the first seed with each arm's caption under them."""
     import matplotlib
@@ -156,12 +167,19 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
         for key, _ in COLUMNS:
             values = [decoded.get(f"seed{s}/{arm}/{key}", math.nan) for s in seeds]
             metrics[f"{arm}/{key}_mean"], metrics[f"{arm}/{key}_std"] = stats.mean_std(values)
+            # seeds where the value is defined (POPE F1 is not when a model never says yes)
+            metrics[f"{arm}/{key}_n"] = float(len(stats.finite(values)))
         if arm in gift_arms.HOOKED:
             alphas = [calibrated.get(f"seed{s}/{arm}/alpha", math.nan) for s in seeds]
             metrics[f"{arm}/alpha_mean"] = stats.mean_std(alphas)[0]
     shares = [decoded.get(f"seed{s}/sink_share", math.nan) for s in seeds]
     metrics["sink_share_mean"] = stats.mean_std(shares)[0]
+    pope_constant = constant_answers(pope)
+    metrics["pope_constant_answers"] = float(pope_constant)
     for name, (method, baseline, statistic, relative, direction, paper, _) in CLAIMS.items():
+        if pope_constant and statistic.startswith("pope_"):
+            print(f"compare: {name}: not tested (greedy answers every question the same)")
+            continue
         c = claim_for(captions, pope, method, baseline, statistic, relative, direction, paper,
                        cfg.draws)
         metrics.update(stats.claim_metrics(c, f"claim/{name}"))
@@ -182,6 +200,15 @@ def headline(metrics: dict[str, float]) -> dict[str, float]:
     return out
 
 
+def _cell(m: dict[str, Any], key: str, n_seeds: int) -> str:
+    mean, std = m.get(f"{key}_mean", math.nan), m.get(f"{key}_std", math.nan)
+    n = int(m.get(f"{key}_n", n_seeds))
+    if n == 0:
+        return "undefined"
+    text = f"{mean:.3f}" + (f" ± {std:.3f}" if n > 1 else "")
+    return text if n == n_seeds else f"{text} ({n}/{n_seeds})"
+
+
 def results_table(metrics: dict[str, dict[str, Any]]) -> str:
     """The README block of `paperline report gift`: arms side by side, then every claim."""
     m = metrics.get("compare", {})
@@ -195,8 +222,7 @@ def results_table(metrics: dict[str, dict[str, Any]]) -> str:
              "|---|---|" + "---|" * len(COLUMNS)]
     for arm in gift_arms.ARMS:
         alpha = m.get(f"{arm}/alpha_mean")
-        cells = [f"{m.get(f'{arm}/{k}_mean', math.nan):.3f} ± {m.get(f'{arm}/{k}_std', math.nan):.3f}"
-                 for k, _ in COLUMNS]
+        cells = [_cell(m, f"{arm}/{k}", n_seeds) for k, _ in COLUMNS]
         lines.append(f"| {arm} | {'—' if alpha is None else f'{alpha:.2f}'} | "
                      + " | ".join(cells) + " |")
     lines += ["", f"Share of the greedy output tokens' visual attention on the 2 sink tokens: "
@@ -206,6 +232,10 @@ def results_table(metrics: dict[str, dict[str, Any]]) -> str:
         c = stats.read_claim(m, f"claim/{name}")
         if c is not None:
             lines.append(f"| {text} | {c.sentence()} |")
+        elif m.get("pope_constant_answers") and name.startswith("pope_"):
+            lines.append(f"| {text} | **not tested**: greedy gives one answer to every yes/no "
+                         "question in every seed, so POPE cannot move |")
     lines += ["", "CHAIR claims are relative changes ((method − baseline) / baseline), POPE "
-                  "claims differences in F1.", ""]
+                  "claims differences in F1. A cell marked (k/n) is over the k of n seeds where "
+                  "the value is defined (POPE F1 is not where a model never answers yes).", ""]
     return "\n".join(lines)

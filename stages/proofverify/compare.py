@@ -292,7 +292,7 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
         m |= selector_metrics(read_parquet_checked(ctx.path(getattr(cfg, arm)) / "games.parquet",
                                                    games_spec()), cands, arm)
     per = cands.group_by("problem_id").agg(pl.col("valid").any(), pl.col("answer_correct").any(),
-                                           pl.col("valid").mean().alias("p1"))
+                                           pl.col("valid").mean().alias("p1")).sort("problem_id")
     m |= {"oracle/proof_acc": float(per["valid"].mean()),
           "oracle/answer_acc": float(per["answer_correct"].mean()),
           "pass_at_1/proof_acc": float(per["p1"].mean()),

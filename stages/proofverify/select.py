@@ -316,7 +316,7 @@ def summary(sel: pl.DataFrame, cands: pl.DataFrame) -> dict[str, float]:
     joined = sel.join(cands.select(pl.col("candidate_id").alias("selected_id"), "valid",
                                    "answer_correct"), on="selected_id", how="left")
     per_seed = joined.group_by("seed").agg(pl.col("valid").mean(),
-                                           pl.col("answer_correct").mean())
+                                           pl.col("answer_correct").mean()).sort("seed")
     calls = float(sel["calls"].mean())
     return {"proof_acc": float(per_seed["valid"].mean()),
             "answer_acc": float(per_seed["answer_correct"].mean()),

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import polars as pl
 import pytest
-import yaml
 
 from stages.core import io
-from tests.conftest import dvc, paperline
+from tests.conftest import assert_bad_param_rejected, dvc, paperline
 from tests.pipelines.test_base_pipeline import mlflow_client
 
 pytestmark = pytest.mark.slow
@@ -85,21 +82,8 @@ def test_arms_side_by_side_in_mlflow(ddr_repo: Path):
 
 
 def test_bad_params_rejected_by_name_before_compute(ddr_repo: Path):
-    params = ddr_repo / P / "params.yaml"
-    original = params.read_text()
-    runs = ddr_repo / P / "data/runs/insights.parquet"
-    before = runs.stat().st_mtime_ns
-    try:
-        data = yaml.safe_load(original)
-        data["explore"]["arms"] = ["breadth", "bredth"]
-        params.write_text(yaml.safe_dump(data, sort_keys=False))
-        proc = subprocess.run([sys.executable, "-m", "stages", "ddr", "explore"],
-                              cwd=ddr_repo / P, capture_output=True, text=True, timeout=300)
-        assert proc.returncode != 0
-        assert "arms" in proc.stderr and "bredth" in proc.stderr, proc.stderr[-2000:]
-    finally:
-        params.write_text(original)
-    assert runs.stat().st_mtime_ns == before
+    assert_bad_param_rejected(ddr_repo / P, "ddr", "explore", "explore.arms",
+                              ["breadth", "bredth"], "bredth", untouched=ddr_repo / P / "data/runs/insights.parquet")
 
 
 def test_second_repro_of_the_pipeline_does_nothing(ddr_repo: Path):

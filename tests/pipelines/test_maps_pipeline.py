@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -13,7 +11,7 @@ import pytest
 import yaml
 
 from stages.core import io
-from tests.conftest import dvc, paperline
+from tests.conftest import assert_bad_param_rejected, dvc, paperline
 from tests.pipelines.test_base_pipeline import mlflow_client
 
 pytestmark = pytest.mark.slow
@@ -110,22 +108,9 @@ def test_predictor_registered_and_coverage_with_bounds(maps_repo: Path):
     assert header.startswith("load,rate,") and "maps" in header and "round_robin" in header
 
 
-def test_bad_params_rejected_by_name_before_compute(maps_repo: Path, tmp_path: Path):
-    params = maps_repo / P / "params.yaml"
-    original = params.read_text()
-    runs = maps_repo / P / "data/runs.parquet"
-    before = runs.stat().st_mtime_ns
-    try:
-        data = yaml.safe_load(original)
-        data["simulate"]["arms"] = ["maps", "mapz"]
-        params.write_text(yaml.safe_dump(data, sort_keys=False))
-        proc = subprocess.run([sys.executable, "-m", "stages", "maps", "simulate"],
-                              cwd=maps_repo / P, capture_output=True, text=True, timeout=300)
-        assert proc.returncode != 0
-        assert "arms" in proc.stderr and "mapz" in proc.stderr, proc.stderr[-2000:]
-    finally:
-        params.write_text(original)
-    assert runs.stat().st_mtime_ns == before
+def test_bad_params_rejected_by_name_before_compute(maps_repo: Path):
+    assert_bad_param_rejected(maps_repo / P, "maps", "simulate", "simulate.arms",
+                              ["maps", "mapz"], "mapz", untouched=maps_repo / P / "data/runs.parquet")
 
 
 def test_malformed_trace_rejected_by_name_before_compute(maps_repo: Path, tmp_path: Path):

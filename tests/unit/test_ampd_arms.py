@@ -206,3 +206,21 @@ def test_compare_claims_on_hand_made_runs():
     assert m["dynamo/attainment/0/mean"] == pytest.approx(0.8)
     table = results_table({"compare": m})
     assert "| (e) reorder |" in table and "the crossover appears: **yes**" in table
+
+
+def test_overtake_shares_by_hand():
+    """Reorder arm: load 0 has 1 of 4 rounds overtaken (once or more), load 1 none of 2; the
+    planned arm 2 of 2; arms that never reorder get no key."""
+    import polars as pl
+
+    from stages.ampd.compare import overtake_shares
+
+    rounds = pl.DataFrame({
+        "arm": ["reorder"] * 6 + ["planned"] * 2 + ["routing"],
+        "seed": [0, 0, 1, 1, 0, 1, 0, 0, 0],
+        "load_index": [0, 0, 0, 0, 1, 1, 0, 0, 0],
+        "overtaken": [0, 2, 0, 0, 0, 0, 1, 1, 5]})
+    m = overtake_shares(rounds)
+    assert m == {"reorder/overtaken/0": 0.25, "reorder/overtaken/1": 0.0,
+                 "reorder/overtaken": 1 / 6, "planned/overtaken/0": 1.0,
+                 "planned/overtaken": 1.0}

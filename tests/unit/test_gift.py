@@ -309,3 +309,28 @@ def test_calibrate_refuses_the_test_split_and_picks_alpha_by_hand():
     assert calibrate.pick_alpha(results, greedy_recall=0.8, tolerance=0.1) == 3.0
     assert calibrate.pick_alpha(results, greedy_recall=0.8, tolerance=0.5) == 5.0
     assert calibrate.pick_alpha(results, greedy_recall=0.99, tolerance=0.0) == 1.0
+
+
+def test_pope_claims_untestable_only_when_greedy_answers_constantly():
+    import polars as pl
+
+    from stages.gift.compare import constant_answers
+
+    def pope(yes_by_seed):
+        return pl.DataFrame({"arm": ["greedy"] * 6 + ["gift"] * 2,
+                             "seed": [0, 0, 0, 1, 1, 1, 0, 0],
+                             "pred_yes": [*yes_by_seed[0], *yes_by_seed[1], 1, 0]})
+
+    assert constant_answers(pope([(0, 0, 0), (1, 1, 1)]))      # always no, then always yes
+    assert not constant_answers(pope([(0, 0, 0), (1, 0, 1)]))  # seed 1 discriminates
+    assert not constant_answers(pope([(0, 0, 0), (1, 1, 1)]).filter(pl.col("arm") == "gift"))
+
+
+def test_table_cell_says_over_how_many_seeds():
+    from stages.gift.compare import _cell
+
+    m = {"a/f1_mean": 0.6667, "a/f1_std": 0.0, "a/f1_n": 1.0,
+         "b/f1_mean": 0.5, "b/f1_std": 0.1, "b/f1_n": 3.0, "c/f1_mean": math.nan, "c/f1_n": 0.0}
+    assert _cell(m, "a/f1", 3) == "0.667 (1/3)"
+    assert _cell(m, "b/f1", 3) == "0.500 ± 0.100"
+    assert _cell(m, "c/f1", 3) == "undefined"
