@@ -187,6 +187,16 @@ STAGES: dict[str, dict[str, str]] = {
         "answer": "stages.plugmem.answer",
         "compare": "stages.plugmem.compare",
     },
+    # Early Experience: a text mini-WebShop (scripted expert, OOD categories), one-step
+    # alternatives from expert states, tiny Llama policies at equal update counts: imitation,
+    # implicit world modelling -> imitation, templated self-reflection + imitation, DPO.
+    "early_experience": {
+        "shop": "stages.early_experience.build",
+        "experience": "stages.early_experience.explore",
+        "train": "stages.early_experience.train",
+        "evaluate": "stages.early_experience.evaluate",
+        "compare": "stages.early_experience.compare",
+    },
     # Refine-Prover: a toy tactic language with a Python kernel (z3-certified statements, a
     # Coq `lia` cross-check), a tiny base prover and refiner (cold start + expert iteration), a
     # value model; i.i.d. sampling vs random / value-guided refinement trees on a budget grid.
@@ -234,6 +244,7 @@ REPORTS: dict[str, str] = {
     "gift": "stages.gift.compare:results_table",
     "ddr": "stages.ddr.compare:results_table",
     "plugmem": "stages.plugmem.compare:results_table",
+    "early_experience": "stages.early_experience.compare:results_table",
     "refine_prover": "stages.refine_prover.compare:results_table",
     "cotfsm": "stages.cotfsm.compare:results_table",
     "diffureason": "stages.diffureason.compare:results_table",
@@ -268,6 +279,10 @@ PAPERS: dict[str, dict[str, str]] = {
     "plugmem": {"paper": "PlugMem, arXiv 2603.03296",
                 "compares": "knowledge-graph memory (learned structurer, tag votes, reasoning) vs "
                             "no memory, raw-chunk and BM25 retrieval, read by a learned reader"},
+    "early_experience": {"paper": "Early Experience, arXiv 2510.08558",
+                         "compares": "implicit world modelling and (templated) self-reflection "
+                                     "from one-step alternatives vs imitation and DPO at equal "
+                                     "updates, tiny Llama agents on a text mini-WebShop"},
     "refine_prover": {"paper": "Refine-Prover, arXiv 2604.18587",
                       "compares": "feedback-conditioned proof repair trees (random, value-guided) "
                                   "vs i.i.d. sampling, long-history and untrained refiners at "
