@@ -70,10 +70,6 @@ def test_equal_updates_compare_and_readme(ee_repo: Path):
     assert "| IWM -> IL |" in block and "SR > IL, OOD" in block and "templated" in block
 
 
-@pytest.mark.xfail(strict=True, reason="known bug left: train registers the four arms from "
-                   "one run under the same artifact path `model`; only the first alias (il) "
-                   "exists. Fix: artifact_path=arm in train.register_model (a code change that "
-                   "reruns the committed cpu train stage)")
 def test_every_arm_registered_with_its_alias(ee_repo: Path):
     client = mlflow_client(ee_repo)
     for arm in ARMS:
