@@ -4,16 +4,13 @@ shared stages)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import polars as pl
 import pytest
-import yaml
 
 from stages.core import io
-from tests.conftest import dvc, paperline
+from tests.conftest import assert_bad_param_rejected, dvc, paperline
 from tests.pipelines.test_base_pipeline import mlflow_client
 
 pytestmark = pytest.mark.slow
@@ -102,21 +99,8 @@ def test_registered_policy_loads_and_arms_side_by_side(ee_repo: Path):
 
 
 def test_bad_params_rejected_by_name_before_compute(ee_repo: Path):
-    params = ee_repo / P / "params.yaml"
-    original = params.read_text()
-    out = ee_repo / P / "models/policies"
-    before = out.stat().st_mtime_ns
-    try:
-        data = yaml.safe_load(original)
-        data["train"]["arms"] = ["il", "iwn"]
-        params.write_text(yaml.safe_dump(data, sort_keys=False))
-        proc = subprocess.run([sys.executable, "-m", "stages", "early_experience", "train"],
-                              cwd=ee_repo / P, capture_output=True, text=True, timeout=300)
-        assert proc.returncode != 0
-        assert "arms" in proc.stderr and "iwn" in proc.stderr, proc.stderr[-2000:]
-    finally:
-        params.write_text(original)
-    assert out.stat().st_mtime_ns == before
+    assert_bad_param_rejected(ee_repo / P, "early_experience", "train", "train.arms",
+                              ["il", "iwn"], "iwn", untouched=ee_repo / P / "models/policies")
 
 
 def test_second_repro_of_the_pipeline_does_nothing(ee_repo: Path):

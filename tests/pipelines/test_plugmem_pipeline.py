@@ -9,10 +9,9 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-import yaml
 
 from stages.core import io
-from tests.conftest import dvc, paperline
+from tests.conftest import assert_bad_param_rejected, dvc, paperline
 from tests.pipelines.test_base_pipeline import mlflow_client
 
 pytestmark = pytest.mark.slow
@@ -89,21 +88,8 @@ def test_arms_side_by_side_in_mlflow(plugmem_repo: Path):
 
 
 def test_bad_params_rejected_by_name_before_compute(plugmem_repo: Path):
-    params = plugmem_repo / P / "params.yaml"
-    original = params.read_text()
-    out = plugmem_repo / P / "data/contexts.parquet"
-    before = out.stat().st_mtime_ns
-    try:
-        data = yaml.safe_load(original)
-        data["memory"]["arms"] = ["none", "graphrag"]
-        params.write_text(yaml.safe_dump(data, sort_keys=False))
-        proc = subprocess.run([sys.executable, "-m", "stages", "plugmem", "memory"],
-                              cwd=plugmem_repo / P, capture_output=True, text=True, timeout=300)
-        assert proc.returncode != 0
-        assert "arms" in proc.stderr and "graphrag" in proc.stderr, proc.stderr[-2000:]
-    finally:
-        params.write_text(original)
-    assert out.stat().st_mtime_ns == before
+    assert_bad_param_rejected(plugmem_repo / P, "plugmem", "memory", "memory.arms",
+                              ["none", "graphrag"], "graphrag", untouched=plugmem_repo / P / "data/contexts.parquet")
 
 
 def test_second_repro_of_the_pipeline_does_nothing(plugmem_repo: Path):
