@@ -176,6 +176,27 @@ STAGES: dict[str, dict[str, str]] = {
         "score": "stages.ddr.score",
         "compare": "stages.ddr.compare",
     },
+    # PlugMem: LongMemEval-lite + two-hop corpus -> a learned structurer -> the knowledge-graph
+    # memory (thresholds recalibrated on val) and raw / BM25 / no-memory arms -> a learned reader.
+    "plugmem": {
+        "corpus": "stages.plugmem.corpus",
+        "train_structurer": "stages.plugmem.train",
+        "structure": "stages.plugmem.structure",
+        "memory": "stages.plugmem.memory",
+        "train_reader": "stages.plugmem.train",
+        "answer": "stages.plugmem.answer",
+        "compare": "stages.plugmem.compare",
+    },
+    # Early Experience: a text mini-WebShop (scripted expert, OOD categories), one-step
+    # alternatives from expert states, tiny Llama policies at equal update counts: imitation,
+    # implicit world modelling -> imitation, templated self-reflection + imitation, DPO.
+    "early_experience": {
+        "shop": "stages.early_experience.build",
+        "experience": "stages.early_experience.explore",
+        "train": "stages.early_experience.train",
+        "evaluate": "stages.early_experience.evaluate",
+        "compare": "stages.early_experience.compare",
+    },
     # Refine-Prover: a toy tactic language with a Python kernel (z3-certified statements, a
     # Coq `lia` cross-check), a tiny base prover and refiner (cold start + expert iteration), a
     # value model; i.i.d. sampling vs random / value-guided refinement trees on a budget grid.
@@ -193,6 +214,15 @@ STAGES: dict[str, dict[str, str]] = {
         "fit_fsm": "stages.cotfsm.fit",
         "steer_eval": "stages.cotfsm.steer",
         "compare": "stages.cotfsm.compare",
+    },
+    # DiffuReason: a tiny masked-diffusion LM (LLaDA objective) and its AR twin on modular
+    # arithmetic with a chain of thought; UCT over thought blocks with coarse-rollout values and
+    # in-place revision vs vanilla, best-of-N and AR + MCTS on an NFE grid.
+    "diffureason": {
+        "problems": "stages.diffureason.task",
+        "train": "stages.diffureason.train",
+        "search": "stages.diffureason.search",
+        "compare": "stages.diffureason.compare",
     },
 }
 
@@ -213,8 +243,11 @@ REPORTS: dict[str, str] = {
     "maps": "stages.maps.compare:results_table",
     "gift": "stages.gift.compare:results_table",
     "ddr": "stages.ddr.compare:results_table",
+    "plugmem": "stages.plugmem.compare:results_table",
+    "early_experience": "stages.early_experience.compare:results_table",
     "refine_prover": "stages.refine_prover.compare:results_table",
     "cotfsm": "stages.cotfsm.compare:results_table",
+    "diffureason": "stages.diffureason.compare:results_table",
 }
 
 # The root README's pipeline table (`paperline report` renders it with the measured `cpu` wall
@@ -243,6 +276,13 @@ PAPERS: dict[str, dict[str, str]] = {
     "ddr": {"paper": "DDR, arXiv 2602.02039",
             "compares": "question-free database exploration: a learned (imitation) explorer vs "
                         "scripted breadth-first, depth-first, random and reactive explorers"},
+    "plugmem": {"paper": "PlugMem, arXiv 2603.03296",
+                "compares": "knowledge-graph memory (learned structurer, tag votes, reasoning) vs "
+                            "no memory, raw-chunk and BM25 retrieval, read by a learned reader"},
+    "early_experience": {"paper": "Early Experience, arXiv 2510.08558",
+                         "compares": "implicit world modelling and (templated) self-reflection "
+                                     "from one-step alternatives vs imitation and DPO at equal "
+                                     "updates, tiny Llama agents on a text mini-WebShop"},
     "refine_prover": {"paper": "Refine-Prover, arXiv 2604.18587",
                       "compares": "feedback-conditioned proof repair trees (random, value-guided) "
                                   "vs i.i.d. sampling, long-history and untrained refiners at "
@@ -266,4 +306,8 @@ PAPERS: dict[str, dict[str, str]] = {
     "cotfsm": {"paper": "CoT-FSM, arXiv 2510.22437",
                "compares": "Q-value activation steering at sentence ends vs greedy, weighted and "
                            "no steering of a tiny model's state-templated CoTs, on an nfe grid"},
+    "diffureason": {"paper": "DiffuReason, ICML 2026 (no arXiv copy)",
+                    "compares": "UCT over thought blocks of a tiny diffusion LM (coarse-rollout "
+                                "value, in-place revision) vs vanilla decoding, best-of-N and AR "
+                                "+ MCTS on an NFE grid"},
 }

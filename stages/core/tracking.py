@@ -262,6 +262,7 @@ class StageTracker:
         self._tags: dict[str, str] = {}
         self._params: dict[str, str] = {}
         self._exp_id: str | None = None
+        self._model_paths: set[str] = set()   # artifact paths register_model used in this run
 
     def _fail(self, what: str, exc: BaseException) -> None:
         if self.ok:
@@ -375,7 +376,16 @@ class StageTracker:
         The artifact is the `save_pretrained` folder itself, so `models:/<name>@<alias>` downloads
         to a folder that `from_pretrained` loads. A single file (a fitted profile JSON) is logged
         as the one file of `artifact_path`, so the version downloads to a folder holding it.
+        Several models registered by one run each get their own artifact path: a repeated
+        `artifact_path` is suffixed with the version's name and aliases.
         """
+        if artifact_path in self._model_paths:
+            # a second model of this run under the same path would land in the same artifact
+            # folder as the first (files merged, the earlier version's source overwritten): give
+            # it a path of its own, named after the version (deterministic, like the call)
+            suffix = "-".join([name, *aliases])
+            artifact_path = f"{artifact_path}-{re.sub(r'[^A-Za-z0-9_.-]+', '-', suffix)}"
+        self._model_paths.add(artifact_path)
         tags = {"paperline.pipeline": self.ctx.pipeline, "paperline.profile": self.ctx.profile,
                 "paperline.seed": str(self.ctx.seed), **(tags or {}),
                 "paperline.model_sha": model_fingerprint(Path(local_dir))}

@@ -43,9 +43,9 @@ def rename(params: dict, old: str, new: str) -> None:
 
 def test_every_committed_params_file_passes(tmp_path: Path):
     root = make_repo(tmp_path, "bis", "edco", "hsir", "proofverify", "r2vpo", "racer", "trace",
-                     "cotfsm")
+                     "cotfsm", "diffureason", "early_experience")
     for slug in ("base", "bis", "edco", "hsir", "proofverify", "r2vpo", "racer", "trace",
-                 "cotfsm"):
+                 "cotfsm", "diffureason", "early_experience"):
         load_params(root, slug)
 
 

@@ -87,9 +87,22 @@ INPUTS: dict[str, Callable[[], FrameSpec]] = {
     "maps/lengths (workload)": _attr("stages.maps.workload", "samples_spec"),
     "ddr/checklist (expert, explore, score)": _attr("stages.ddr.databases", "checklist_spec"),
     "ddr/insights (score)": _attr("stages.ddr.explore", "insight_spec"),
+    "plugmem/obs (train_structurer, structure, memory)": _attr("stages.plugmem.corpus",
+                                                               "obs_spec"),
+    "plugmem/questions (memory)": _attr("stages.plugmem.corpus", "question_spec"),
+    "plugmem/structured (memory)": _attr("stages.plugmem.structure", "structured_spec"),
+    "plugmem/contexts (train_reader, answer)": _attr("stages.plugmem.memory", "context_spec"),
+    "early_experience/items (experience, evaluate)": _attr("stages.early_experience.shop",
+                                                           "item_spec"),
+    "early_experience/goals (experience, evaluate)": _attr("stages.early_experience.shop",
+                                                           "goal_spec"),
+    "early_experience/experience (train)": _attr("stages.early_experience.explore",
+                                                 "experience_spec"),
     "cotfsm/lm_train (train)": _attr("stages.cotfsm.traces", "trace_spec", "lm_train"),
     "cotfsm/problems (fit_fsm, steer_eval)": _attr("stages.cotfsm.traces", "trace_spec", "test"),
     "cotfsm/results (compare)": _attr("stages.cotfsm.compare", "results_spec"),
+    "diffureason/problems (train, search)": _attr("stages.diffureason.task", "problem_spec"),
+    "diffureason/results (compare)": _attr("stages.diffureason.search", "result_spec"),
     "agents/episodes (agents.trajectories.read_rollouts)": _attr(
         "stages.agents.trajectories", "episode_expectations"),
     "agents/steps (agents.trajectories.read_rollouts)": _attr(
@@ -232,8 +245,12 @@ def test_every_reading_module_is_covered():
                "stages/maps/workload.py", "stages/agents/trajectories.py",
                "stages/train/vlm.py", "stages/gift/compare.py",
                "stages/ddr/expert.py", "stages/ddr/explore.py", "stages/ddr/score.py",
+               "stages/plugmem/train.py", "stages/plugmem/structure.py",
+               "stages/plugmem/memory.py", "stages/plugmem/answer.py",
+               "stages/early_experience/shop.py", "stages/early_experience/train.py",
                "stages/refine_prover/train.py", "stages/refine_prover/compare.py",
-               "stages/cotfsm/traces.py", "stages/cotfsm/compare.py"} | set(INLINE)
+               "stages/cotfsm/traces.py", "stages/cotfsm/compare.py",
+               "stages/diffureason/task.py", "stages/diffureason/compare.py"} | set(INLINE)
     readers = set()
     for path in (REPO / "stages").rglob("*.py"):
         tree = ast.parse(path.read_text())

@@ -238,3 +238,20 @@ def test_configure_one_repo_does_not_steer_the_next(tmp_path, monkeypatch):
     finally:
         mlflow.set_tracking_uri(saved[0])
         mlflow.set_registry_uri(saved[1])
+
+
+def test_several_models_of_one_run_get_artifact_paths_of_their_own(tmp_path):
+    """Four arms registered by one stage run under the default path `model` would be logged into
+    one artifact folder (files merged, every version's source the same folder): the second and
+    later get the path suffixed with their name and aliases."""
+    from types import SimpleNamespace
+
+    ctx = SimpleNamespace(pipeline="p", profile="cpu", seed=0, root=tmp_path)
+    tr = tracking.StageTracker(ctx, None)
+    tr.ok, tr.gap = False, {"ops": []}      # recorded, not logged: the paths are what we check
+    for arm in ("il", "sr/templated"):
+        tr.register_model(_model_dir(tmp_path / arm.replace("/", "_"), arm), "policy", [arm])
+    tr.register_model(_model_dir(tmp_path / "base", "b"), "base", ["seed0"],
+                      artifact_path="model-base")
+    assert [op["artifact_path"] for op in tr.gap["ops"]] == [
+        "model", "model-policy-sr-templated", "model-base"]

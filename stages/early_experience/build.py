@@ -1,0 +1,78 @@
+"""Stage `shop`: the catalogue, the goals of every split, the scripted expert's demonstrations
+and the reference arms that bound the learned ones.
+
+    <paths.ee_shop>/items.parquet     the catalogue (stages.early_experience.shop)
+    <paths.ee_shop>/goals.parquet     split (train | test | ood), goal_id, constraints
+    <paths.ee_shop>/expert/           the expert's rollouts on the train goals (checked parquet,
+                                      stages.agents.trajectories): the demonstrations D_expert
+
+The expert and a uniform-random agent also play the test and OOD goals: expert success is the
+ceiling a policy imitating it can reach, random the floor (spec section 4). Test goals equal to
+a train goal are redrawn (in-domain means the same categories, not the same goals).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from stages.agents.react import PromptFormat
+from stages.agents.rollout import Budget, random_agent, run_episodes
+from stages.agents.trajectories import summarise, to_frames, write_rollouts
+from stages.core import io
+from stages.early_experience import shop
+
+
+class Config(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    catalogue_seed: int = Field(0, ge=0)
+    per_pair: int = Field(4, ge=2, le=50, description="items per (category, colour)")
+    max_results: int = Field(4, ge=2, le=20, description="items a results page lists")
+    n_train: int = Field(ge=1, le=100_000, description="demonstration goals (spec: 300)")
+    n_test: int = Field(ge=2, le=100_000, description="in-domain test goals (spec: 500)")
+    n_ood: int = Field(ge=2, le=100_000, description="OOD test goals (unseen categories)")
+    max_steps: int = Field(8, ge=4, le=100, description="turns per episode, every agent")
+    prompt: PromptFormat
+
+
+def draw_goals(cfg: Config, catalogue: list[shop.Item]) -> dict[str, list[shop.Goal]]:
+    train = shop.make_goals(catalogue, shop.IN_DOMAIN, cfg.n_train, 1, cfg.max_results)
+    seen = set(train)
+    pool = shop.make_goals(catalogue, shop.IN_DOMAIN, 4 * cfg.n_test, 2, cfg.max_results)
+    test = [g for g in pool if g not in seen][:cfg.n_test]
+    if len(test) < cfg.n_test:
+        raise ValueError(f"shop: only {len(test)} test goals differ from the train goals "
+                         f"(n_test = {cfg.n_test}): raise per_pair")
+    ood = shop.make_goals(catalogue, shop.OOD, cfg.n_ood, 3, cfg.max_results)
+    return {"train": train, "test": test, "ood": ood}
+
+
+def run(cfg: Config, ctx: Any) -> dict[str, float]:
+    catalogue = shop.make_catalogue(cfg.catalogue_seed, cfg.per_pair)
+    goals = draw_goals(cfg, catalogue)
+    budget = Budget(max_steps=cfg.max_steps)
+    out: dict[str, float] = {"items": float(len(catalogue))}
+    with io.atomic_path(ctx.path("ee_shop"), is_dir=True) as tmp:
+        shop.write_shop(tmp, catalogue, goals)
+        envs = shop.envs_for(catalogue, goals["train"], "train", cfg.max_results)
+        eps = run_episodes(envs, shop.expert_agent(), budget, cfg.prompt,
+                           episode_ids=[f"train/{i}" for i in range(len(envs))])
+        episodes, steps = to_frames(eps, "expert")
+        write_rollouts(tmp / "expert", episodes, steps)
+        out["demos"] = float(episodes.height)
+        out["demo_turns"] = float(steps.height)
+        out["demo_success"] = summarise(episodes)["success_rate"]
+        for split in ("test", "ood"):
+            for name, agent in (("expert", shop.expert_agent()), ("random", random_agent(0))):
+                envs = shop.envs_for(catalogue, goals[split], split, cfg.max_results)
+                eps = run_episodes(envs, agent, budget, cfg.prompt,
+                                   episode_ids=[f"{split}/{i}" for i in range(len(envs))])
+                out[f"{name}/{split}/success"] = sum(e.success for e in eps) / len(eps)
+    return out
+
+
+def headline(details: dict[str, float]) -> dict[str, float]:
+    return {"expert_test": details["expert/test/success"],
+            "random_test": details["random/test/success"]}

@@ -1,0 +1,163 @@
+"""Stage `compare`: Early Experience's predicted directions vs imitation learning, by the house
+claim rule (stages.core.stats: paired 95% t CI over the training seeds of the difference in
+success rate; every arm played the same goals, so each seed's pair is also paired per episode).
+
+    iwm_vs_il, sr_vs_il             in-domain: IWM > IL and SR > IL; the paper's WebShop with
+                                    Llama-3.1-8B: IL 47.3, IWM 58.6, SR 58.2 [secondary]
+    iwm_vs_il_ood, sr_vs_il_ood     the same on the OOD goals; the paper's average OOD gain over
+                                    IL is +9.4 points [secondary]
+    iwm_vs_dpo, sr_vs_dpo           "DPO is weaker than IWM and SR" [secondary]
+    il_vs_random                    [ours] the imitation policy beats the random floor (it
+                                    learned something at all)
+    <arm>_f<f>_vs_il                (with train.fractions) early experience on the smallest
+                                    fraction of the demonstrations vs IL on all of them; "with
+                                    1/8 of the demonstrations, early experience beats full-data
+                                    IL on WebShop" [secondary]
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from stages.core import stats
+
+CLAIMS = {  # name: (method setting, baseline setting, split, paper effect)
+    "iwm_vs_il": ("iwm", "il", "test", 0.113),
+    "sr_vs_il": ("sr", "il", "test", 0.109),
+    "iwm_vs_il_ood": ("iwm", "il", "ood", 0.094),
+    "sr_vs_il_ood": ("sr", "il", "ood", 0.094),
+    "iwm_vs_dpo": ("iwm", "dpo", "test", None),
+    "sr_vs_dpo": ("sr", "dpo", "test", None),
+}
+
+
+class Config(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+def seeds_of(m: dict[str, float]) -> list[int]:
+    return sorted({int(k.split("/")[1][1:]) for k in m
+                   if k.startswith("il/s") and k.endswith("/success_test") and k.count("/") == 2})
+
+
+def per_seed(m: dict[str, float], setting: str, split: str, seeds: list[int]
+             ) -> dict[int, float] | None:
+    keys = {s: f"{setting}/s{s}/success_{split}" for s in seeds}
+    if not all(k in m for k in keys.values()):
+        return None
+    return {s: m[k] for s, k in keys.items()}
+
+
+def fractions_of(m: dict[str, float]) -> list[float]:
+    return sorted({float(k.split("/")[0].split("@f")[1]) for k in m
+                   if "@f" in k.split("/")[0]})
+
+
+def run(cfg: Config, ctx: Any) -> dict[str, float]:
+    m = ctx.stage_metrics("evaluate")
+    floor = ctx.stage_metrics("shop")
+    seeds = seeds_of(m)
+    if len(seeds) < 2:
+        raise ValueError(f"compare: {len(seeds)} seed(s) in details/evaluate.json; paired CIs "
+                         "need at least 2")
+    out: dict[str, float] = {"seeds": float(len(seeds))}
+    claims = dict(CLAIMS)
+    fr = fractions_of(m)
+    if fr:
+        f = fr[0]
+        for arm in ("iwm", "sr"):
+            claims[f"{arm}_f{f:g}_vs_il"] = (f"{arm}@f{f:g}", "il", "test", None)
+    for name, (method, base, split, effect) in claims.items():
+        a, b = per_seed(m, method, split, seeds), per_seed(m, base, split, seeds)
+        if a is None or b is None:
+            continue                      # an arm not run at this profile
+        c = stats.claim_by_key(a, b, paper_effect=effect)
+        out.update(stats.claim_metrics(c, f"claim/{name}"))
+    il = per_seed(m, "il", "test", seeds)
+    assert il is not None
+    c = stats.claim_by_key(il, {s: floor["random/test/success"] for s in seeds})
+    out.update(stats.claim_metrics(c, "claim/il_vs_random"))
+    return out
+
+
+def headline(metrics: dict[str, float]) -> dict[str, float]:
+    return stats.verdict_counts(metrics)
+
+
+ARMS_SHOWN = (("il", "IL (imitation)"), ("iwm", "IWM -> IL"), ("sr", "SR + IL (templated)"),
+              ("dpo", "IL -> DPO"))
+NAMES = {"iwm_vs_il": "IWM > IL, in-domain", "sr_vs_il": "SR > IL, in-domain",
+         "iwm_vs_il_ood": "IWM > IL, OOD", "sr_vs_il_ood": "SR > IL, OOD",
+         "iwm_vs_dpo": "IWM > DPO", "sr_vs_dpo": "SR > DPO",
+         "il_vs_random": "[ours] IL > random (learned at all)"}
+
+
+def results_table(metrics: dict[str, dict[str, Any]]) -> str:
+    """README block: success per arm in-domain and OOD with the ceiling and floor, the
+    data-efficiency and K tables when run, and the claims."""
+    e, s, c = (metrics.get(k, {}) for k in ("evaluate", "shop", "compare"))
+    if not any(k.startswith("claim/") for k in c) or "expert/test/success" not in s:
+        return "_No results yet: run the pipeline._\n"
+    seeds = seeds_of(e)
+
+    def f(d: dict[str, Any], key: str) -> str:
+        v = d.get(key, math.nan)
+        return "-" if not isinstance(v, (int, float)) or math.isnan(v) else f"{v:.3f}"
+
+    def sd(setting: str, split: str) -> str:
+        vals = per_seed(e, setting, split, seeds)
+        if not vals:
+            return "-"
+        mean, std = stats.mean_std(list(vals.values()))
+        return f"{mean:.3f} ± {std:.3f}"
+
+    lines = [f"**Success rate** (mean ± std over {len(seeds)} training seeds; the same goals "
+             "for every arm; every learned arm at the same number of updates):", "",
+             "| arm | in-domain | OOD (unseen categories) | parse failures / turn |",
+             "|---|---|---|---|",
+             f"| expert (scripted, the ceiling) | {f(s, 'expert/test/success')} | "
+             f"{f(s, 'expert/ood/success')} | - |"]
+    for arm, label in ARMS_SHOWN:
+        if f"{arm}/success_test" in e:
+            lines.append(f"| {label} | {sd(arm, 'test')} | {sd(arm, 'ood')} | "
+                         f"{f(e, arm + '/parse_failure_rate')} |")
+    lines.append(f"| random (the floor) | {f(s, 'random/test/success')} | "
+                 f"{f(s, 'random/ood/success')} | - |")
+    fr = fractions_of(e)
+    if fr:
+        cols = [*fr, 1.0]
+        lines += ["", "**Data efficiency** (in-domain success by share of the demonstrations):",
+                  "", "| arm | " + " | ".join(f"{x:g}" for x in cols) + " |",
+                  "|---|" + "---|" * len(cols)]
+        for arm, label in ARMS_SHOWN:
+            if f"{arm}/success_test" in e:
+                lines.append(f"| {label} | " + " | ".join(
+                    f(e, (arm if x == 1.0 else f"{arm}@f{x:g}") + "/success_test")
+                    for x in cols) + " |")
+    ks = sorted({int(k.split("/")[0].split("@k")[1]) for k in e if "@k" in k.split("/")[0]})
+    if ks:
+        main_k = int(metrics.get("train", {}).get("iwm/k", 0) or 0)
+        cols = sorted({*ks, main_k} - {0})
+        lines += ["", "**K alternatives per state** (in-domain success):", "",
+                  "| arm | " + " | ".join(f"K={k}" for k in cols) + " |",
+                  "|---|" + "---|" * len(cols)]
+        for arm in ("iwm", "sr"):
+            lines.append(f"| {arm} | " + " | ".join(
+                f(e, (arm if k == main_k else f"{arm}@k{k}") + "/success_test")
+                for k in cols) + " |")
+    lines += ["", "**Claims** (paired 95% CI over training seeds of the success difference):",
+              ""]
+    names = dict(NAMES)
+    for key in c:
+        if key.startswith("claim/") and "_f" in key and key.endswith("/verdict"):
+            n = key.split("/")[1]
+            names[n] = f"{n.split('_f')[0].upper()} on {n.split('_f')[1].split('_vs')[0]} " \
+                       "of the demonstrations > IL on all"
+    for name, label in names.items():
+        cl = stats.read_claim(c, f"claim/{name}")
+        if cl is not None:
+            lines.append(f"- {label}: {cl.sentence()}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,124 @@
+"""Stage `evaluate`: every trained policy plays the in-domain test goals and the OOD goals
+(unseen categories), greedy, through the harness's rollout runner and the LLM backend: the
+`local` backend loads each `train` folder with the real Hugging Face code; at the `gpu` profile
+`policy.kind: openai` plays the served model named `policy.model` with `{setting}` and `{seed}`
+filled in (one served model per trained policy).
+
+Every arm plays the SAME goals (episode `<split>/<goal>`), so success is paired per episode
+across arms as well as per seed; `compare` pairs per seed (the house rule: the seed is the unit
+that varies the training). Budget, every arm: `max_steps` turns of at most `max_new_tokens`
+characters (room for the reflection an SR policy writes before its action).
+
+`<paths.ee_runs>`: rollouts/ (stages.agents.trajectories, episode ids
+`<setting>/s<seed>/<split>/<goal>`) and success.parquet (setting, seed, split, goal, success).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import polars as pl
+from pydantic import BaseModel, ConfigDict, Field
+
+from stages.agents.react import PromptFormat
+from stages.agents.rollout import Budget, ModelAgent, run_episodes
+from stages.agents.trajectories import summarise, to_frames, write_rollouts
+from stages.core import io
+from stages.core.checks import ColumnSpec, FrameSpec
+from stages.core.config import section_for
+from stages.early_experience import shop
+from stages.early_experience.train import Config as TrainConfig, settings
+from stages.models.backend import BackendConfig, make_backend
+
+SUCCESS_SCHEMA = {"setting": pl.String, "seed": pl.Int64, "split": pl.String,
+                  "goal": pl.Int64, "success": pl.Boolean}
+
+
+def success_spec() -> FrameSpec:
+    cols = {k: ColumnSpec(dtype=v) for k, v in SUCCESS_SCHEMA.items()}
+    cols["split"] = ColumnSpec(dtype=pl.String, values=("test", "ood"))
+    return FrameSpec(cols, min_rows=1)
+
+
+class Config(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_steps: int = Field(8, ge=4, le=100, description="turns per episode (as in `shop`)")
+    max_new_tokens: int = Field(64, ge=8, le=4096, description="cap per reply, every arm")
+    max_failures: int = Field(3, ge=1, le=100, description="end an episode after this many "
+                              "failed turns in a row (DDR's 3 nudges; a policy that lost the "
+                              "format stops costing generation)")
+    max_results: int = Field(4, ge=2, le=20, description="as in `shop`")
+    prompt: PromptFormat
+    policy: BackendConfig = Field(description="`local`: the `train` folders; `openai`: "
+                                  "a served model per policy, `model` with {setting}/{seed}")
+    batch_size: int = Field(256, ge=1, le=65_536, description="episodes stepped together")
+    num_threads: int = Field(0, ge=0, le=256)
+
+
+def _agent(cfg: Config, ctx: Any, setting: str, seed: int) -> ModelAgent:
+    bc = cfg.policy
+    if bc.kind == "local":
+        path = ctx.path("ee_policies") / setting / f"s{seed}"
+        return ModelAgent(make_backend(bc.model_copy(update={"model": str(path)}),
+                                       root=ctx.root), name=setting)
+    name = bc.model.format(setting=setting, seed=seed)
+    return ModelAgent(make_backend(bc.model_copy(update={"model": name}), root=ctx.root),
+                      name=setting)
+
+
+def run(cfg: Config, ctx: Any) -> dict[str, float]:
+    from stages.models import base
+
+    base.set_threads(cfg.num_threads)
+    catalogue, goals = shop.read_shop(ctx.path("ee_shop"))
+    # the settings and seeds `train` trained (its section, the active profile applied)
+    tcfg = TrainConfig.model_validate(section_for(ctx.params, "train", ctx.profile,
+                                                  "params.yaml"))
+    budget = Budget(max_steps=cfg.max_steps, max_new_tokens=cfg.max_new_tokens,
+                    max_failures=cfg.max_failures)
+    out: dict[str, float] = {}
+    all_eps, all_steps, rows = [], [], []
+    for name, arm, _, _ in settings(tcfg):
+        for seed in tcfg.seeds:
+            agent = _agent(cfg, ctx, name, seed)
+            envs, ids = [], []
+            for split in ("test", "ood"):
+                envs += shop.envs_for(catalogue, goals[split], split, cfg.max_results)
+                ids += [f"{name}/s{seed}/{split}/{g}" for g in range(len(goals[split]))]
+            eps = run_episodes(envs, agent, budget, cfg.prompt, episode_ids=ids,
+                               batch_size=cfg.batch_size, seed=seed)
+            episodes, steps = to_frames(eps, name)
+            all_eps.append(episodes)
+            all_steps.append(steps)
+            metrics: dict[str, float] = {}
+            for split in ("test", "ood"):
+                mine = [e for e in eps if f"/{split}/" in e.episode_id]
+                rows += [{"setting": name, "seed": seed, "split": split,
+                          "goal": int(e.episode_id.rsplit("/", 1)[1]), "success": e.success}
+                         for e in mine]
+                metrics[f"success_{split}"] = sum(e.success for e in mine) / len(mine)
+            s = summarise(episodes)
+            metrics.update({k: s[k] for k in ("parse_failure_rate", "invalid_action_rate",
+                                              "mean_steps", "mean_gen_tokens")})
+            for k, v in metrics.items():
+                out[f"{name}/s{seed}/{k}"] = v
+            if name == arm:     # the main setting: one MLflow run per (arm, seed)
+                params = {"arm": arm, "seed": seed, "updates": tcfg.steps, "k": tcfg.k,
+                          "reflections": "templated" if arm == "sr" else "none"}
+                with ctx.method_run("evaluate", arm, seed, params=params) as run_:
+                    run_.log_metrics(metrics)
+    with io.atomic_path(ctx.path("ee_runs"), is_dir=True) as tmp:
+        write_rollouts(tmp / "rollouts", pl.concat(all_eps), pl.concat(all_steps))
+        pl.DataFrame(rows, schema=SUCCESS_SCHEMA).write_parquet(tmp / "success.parquet")
+    for name, _, _, _ in settings(tcfg):
+        for key in ("success_test", "success_ood", "parse_failure_rate"):
+            vals = [out[f"{name}/s{s}/{key}"] for s in tcfg.seeds]
+            out[f"{name}/{key}"] = sum(vals) / len(vals)
+    return out
+
+
+def headline(details: dict[str, float]) -> dict[str, float]:
+    """DVC metrics: each main arm's mean success, in-domain and OOD."""
+    return {f"{a}_{s}": details[f"{a}/success_{s}"] for a in ("il", "iwm", "sr", "dpo")
+            for s in ("test", "ood") if f"{a}/success_{s}" in details}

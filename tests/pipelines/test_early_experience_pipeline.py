@@ -1,0 +1,108 @@
+"""The `early_experience` pipeline end to end at `smoke` through real `dvc repro` (after the
+shared stages)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from stages.core import io
+from tests.conftest import assert_bad_param_rejected, dvc, paperline
+from tests.pipelines.test_base_pipeline import mlflow_client
+
+pytestmark = pytest.mark.slow
+
+P = Path("pipelines/early_experience")
+ARMS = ("il", "iwm", "sr", "dpo")
+
+
+@pytest.fixture(scope="module")
+def ee_repo(smoke_repo: Path) -> Path:
+    proc = paperline(smoke_repo, "repro", "early_experience", timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return smoke_repo
+
+
+def test_shop_experience_and_rollouts_well_formed(ee_repo: Path):
+    from stages.agents.trajectories import read_rollouts
+
+    s = io.read_metrics(ee_repo / P / "details/shop.json")
+    assert s["demos"] == 24 and s["demo_success"] == 1.0
+    assert s["expert/test/success"] == 1.0 and s["expert/ood/success"] == 1.0
+    assert s["random/test/success"] <= 0.25
+    exp = pl.read_parquet(ee_repo / P / "data/experience.parquet")
+    states = exp.filter(pl.col("j") == 0)
+    assert states.height == 24 * 4                      # every expert turn is a state
+    alts = exp.filter(pl.col("j") > 0)
+    assert alts.height > 0 and (alts["call"] != alts["expert_call"]).all()
+    assert (alts["reflection"].str.len_chars() > 0).all()
+    episodes, steps = read_rollouts(ee_repo / P / "data/runs/rollouts")    # checked read
+    assert set(episodes["agent"]) == set(ARMS)
+    assert episodes.height == len(ARMS) * 2 * (8 + 8)   # arms x seeds x (test + ood goals)
+    assert steps["step"].max() < 4                      # the turn budget
+    succ = pl.read_parquet(ee_repo / P / "data/runs/success.parquet")
+    # every arm and seed played the same goals: success is paired per episode
+    played = {tuple(g["goal"].sort()) + tuple(g["split"].sort())
+              for _, g in succ.group_by("setting", "seed")}
+    assert len(played) == 1
+
+
+def test_equal_updates_compare_and_readme(ee_repo: Path):
+    t = io.read_metrics(ee_repo / P / "details/train.json")
+    assert t["updates"] == 4
+    assert t["iwm/iwm_examples"] > t["il/il_examples"] and t["sr/sr_examples"] > 0
+    c = io.read_metrics(ee_repo / P / "details/compare.json")
+    for name in ("iwm_vs_il", "sr_vs_il", "iwm_vs_il_ood", "sr_vs_il_ood", "iwm_vs_dpo",
+                 "sr_vs_dpo", "il_vs_random"):
+        assert c[f"claim/{name}/verdict"] in (-1.0, 0.0, 1.0)
+        assert c[f"claim/{name}/pairs"] == 2
+    assert c["claim/iwm_vs_il/paper_effect"] == 0.113
+    m = json.loads((ee_repo / P / "metrics/compare.json").read_text())
+    assert set(m) == {"reproduced", "inconclusive", "contradicted"}
+    readme = (ee_repo / P / "README.md").read_text()
+    block = readme.split("<!-- results:start")[1].split("<!-- results:end")[0]
+    assert "| IWM -> IL |" in block and "SR > IL, OOD" in block and "templated" in block
+
+
+def test_every_arm_registered_with_its_alias(ee_repo: Path):
+    client = mlflow_client(ee_repo)
+    for arm in ARMS:
+        v = client.get_model_version_by_alias("early-experience-policy", arm)
+        assert v.tags["arm"] == arm
+        if arm == "sr":
+            assert v.tags["reflections"] == "templated"
+
+
+def test_registered_policy_loads_and_arms_side_by_side(ee_repo: Path):
+    client = mlflow_client(ee_repo)
+    from stages.models.backend import LocalHFBackend
+
+    v = client.get_model_version_by_alias("early-experience-policy", "il")
+    assert v.tags["arm"] == "il"
+    local = client.download_artifacts(v.run_id, "model", str(ee_repo / "dl"))
+    backend = LocalHFBackend(local)                      # the real HF loading code
+    assert backend.complete(["Task: red hat, size M, max $20 | "],
+                            max_new_tokens=4)[0][0].n_tokens >= 1
+    exp = client.get_experiment_by_name("early_experience")
+    runs = [r for r in client.search_runs([exp.experiment_id], max_results=5000)
+            if r.data.tags.get("paperline.source_stage") == "evaluate"
+            and r.data.tags.get("paperline.method")]
+    assert {(r.data.params["arm"], r.data.params["seed"]) for r in runs} == \
+        {(a, s) for a in ARMS for s in ("0", "1")}
+    assert {r.data.params["reflections"] for r in runs if r.data.params["arm"] == "sr"} == \
+        {"templated"}
+    keys = {frozenset(r.data.metrics) for r in runs}
+    assert len(keys) == 1 and {"success_test", "success_ood"} <= next(iter(keys))
+
+
+def test_bad_params_rejected_by_name_before_compute(ee_repo: Path):
+    assert_bad_param_rejected(ee_repo / P, "early_experience", "train", "train.arms",
+                              ["il", "iwn"], "iwn", untouched=ee_repo / P / "models/policies")
+
+
+def test_second_repro_of_the_pipeline_does_nothing(ee_repo: Path):
+    out = dvc(ee_repo, "repro", str(P / "dvc.yaml")).stdout
+    assert "Running stage" not in out, out[-2000:]

@@ -1,0 +1,203 @@
+"""Early Experience (stages/early_experience): the mini-WebShop's pages and refusals, the
+expert, one-step branching, the templated reflections and the IWM / SR / DPO examples on
+hand-written values, the DPO loss, equal update counts and the compare rule (seconds, no
+model)."""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+from pathlib import Path
+
+import pytest
+
+from stages.agents.protocol import InvalidAction, parse_call
+from stages.agents.react import PromptFormat
+from stages.agents.rollout import Budget, random_agent, run_episodes
+from stages.early_experience import shop
+from stages.early_experience.experience import (alternatives, dpo_pairs, explore_state,
+                                                iwm_examples, reflection, sr_examples,
+                                                step_copy)
+from stages.early_experience.train import Config as TrainConfig, dpo_loss, settings, \
+    split_updates
+
+FMT = PromptFormat(sep=" | ", window=0)
+CAT = [shop.Item(0, "bag", "grey", 40, ("S",)), shop.Item(1, "bag", "grey", 35, ("M", "L")),
+       shop.Item(2, "bag", "grey", 60, ("S",)), shop.Item(3, "bag", "grey", 40, ("S", "XL")),
+       shop.Item(4, "hat", "red", 10, ("M",)), shop.Item(5, "scarf", "red", 5, ("L",))]
+GOAL = shop.Goal("bag", "grey", "S", 40)
+
+
+def _do(env: shop.ShopEnv, call: str):
+    return env.step(parse_call(call, env.tools))
+
+
+def test_pages_expert_and_success():
+    env = shop.ShopEnv(CAT, GOAL, max_results=3)
+    task, obs = env.reset()
+    assert (task, obs) == ("grey bag, size S, max $40", "search page")
+    assert shop.expert_action(env) == "search[grey bag]"
+    assert _do(env, "search[grey bag]").observation == \
+        "grey bag: 1 $40 S; 2 $35 M/L; 3 $60 S"                 # max_results = 3
+    assert shop.expert_action(env) == "click[1]"                  # the first that fits
+    assert _do(env, "click[2]").observation == "item grey bag $35 M/L, size -"
+    assert shop.expert_action(env) == "back"                      # no S: the expert leaves
+    _do(env, "back")
+    _do(env, "click[1]")
+    assert shop.expert_action(env) == "select[S]"
+    _do(env, "select[S]")
+    assert shop.expert_action(env) == "buy"
+    r = _do(env, "buy")
+    assert r.done and r.reward == 1.0 and env.success()
+
+
+@pytest.mark.parametrize("calls, reason", [
+    ([], "click[1]"), (["search[grey bag]"], "click[9]"),
+    (["search[grey bag]", "click[1]"], "select[XL]"), ([], "buy"), ([], "back"),
+    (["search[grey bag]"], "search[red hat]")])
+def test_refused_calls_are_named_and_leave_the_state(calls, reason):
+    env = shop.ShopEnv(CAT, GOAL)
+    env.reset()
+    for c in calls:
+        _do(env, c)
+    before = (env.page, env.item, env.size, env.observe())
+    with pytest.raises(InvalidAction) as err:
+        _do(env, reason)
+    assert err.value.reason in ("wrong_page", "not_listed", "no_such_size")
+    assert (env.page, env.item, env.size, env.observe()) == before
+
+
+def test_wrong_purchase_fails_and_search_needs_colour_and_category():
+    env = shop.ShopEnv(CAT, GOAL)
+    env.reset()
+    assert _do(env, "search[bag]").observation == "no results for bag"
+    _do(env, "back")
+    _do(env, "search[grey bag]")
+    _do(env, "click[1]")
+    assert _do(env, "buy").reward == 0.0 and not env.success()     # no size selected
+
+
+def test_expert_ceiling_random_floor_and_ood_split():
+    cat = shop.make_catalogue(0, 4)
+    goals = shop.make_goals(cat, shop.IN_DOMAIN, 40, 1, 4)
+    ood = shop.make_goals(cat, shop.OOD, 20, 3, 4)
+    assert {g.category for g in ood} <= set(shop.OOD)
+    assert not {g.category for g in goals} & set(shop.OOD)
+    for g in goals:                    # a distractor on the page the expert's search lists
+        assert not all(g.fits(it) for it in shop.search(cat, f"{g.color} {g.category}", 4))
+    envs = shop.envs_for(cat, goals, "train", 4)
+    eps = run_episodes(envs, shop.expert_agent(), Budget(max_steps=8), FMT)
+    assert all(e.success for e in eps) and all(len(e.steps) == 4 for e in eps)
+    eps = run_episodes(shop.envs_for(cat, goals, "test", 4), random_agent(0),
+                       Budget(max_steps=8), FMT)
+    assert sum(e.success for e in eps) <= 2
+    # no OOD category word reaches in-domain training through an alternative search
+    assert not any(c in a for a in envs[0].legal_actions() for c in shop.OOD)
+    assert any("scarf" in a for a in shop.envs_for(cat, ood, "ood", 4)[0].legal_actions())
+
+
+def test_shop_round_trips_through_the_checked_reads(tmp_path: Path):
+    cat = shop.make_catalogue(0, 2)
+    goals = {"train": [GOAL], "test": [GOAL], "ood": [shop.Goal("scarf", "red", "L", 5)]}
+    shop.write_shop(tmp_path, cat, goals)
+    assert shop.read_shop(tmp_path) == (cat, goals)
+
+
+def test_one_step_branches_leave_the_expert_state_and_never_repeat_the_expert():
+    env = shop.ShopEnv(CAT, GOAL, max_results=3)
+    env.reset()
+    _do(env, "search[grey bag]")
+    snap = env.observe()
+    b = step_copy(env, "click[3]")
+    assert b.observation == "item grey bag $60 S, size -" and env.observe() == snap
+    rng = random.Random(0)
+    for k in (1, 2, 3, 9):
+        alts = alternatives(env, "click[1]", k, rng)
+        assert "click[1]" not in alts and len(alts) == min(k, 3) == len(set(alts))
+    # (3 other legal calls: click[2], click[3], back)
+    rows = explore_state(env, "click[1]", 3, random.Random(1))
+    assert [r["j"] for r in rows] == [0, 1, 2, 3] and rows[0]["reflection"] == ""
+    assert sorted(r["call"] for r in rows[1:]) == ["back", "click[2]", "click[3]"]
+    assert copy.deepcopy(env).catalogue is env.catalogue      # shared, not copied
+
+
+def test_templated_reflections_from_outcome_differences():
+    env = shop.ShopEnv(CAT, GOAL)
+    env.reset()
+    good = step_copy(env, "search[grey bag]")
+    assert reflection(env, good, step_copy(env, "search[red hat]")) == \
+        "that lists red hat; need grey bag"
+    _do(env, "search[grey bag]")
+    good = step_copy(env, "click[1]")
+    assert reflection(env, good, step_copy(env, "click[3]")) == "3 is $60 > $40; 1 is $40 with S"
+    assert reflection(env, good, step_copy(env, "click[2]")) == "2 has no S; 1 is $40 with S"
+    _do(env, "click[1]")
+    good = step_copy(env, "select[S]")
+    assert reflection(env, good, step_copy(env, "buy")) == "no size yet; need S"
+
+
+def test_iwm_sr_and_dpo_examples():
+    rows = [{"prompt": "Task: t | Observation: o | ", "expert_call": "click[1]", "j": j,
+             "call": c, "next": n, "reflection": r}
+            for j, c, n, r in ((0, "click[1]", "item A", ""), (1, "back", "search page", "R1"),
+                               (2, "click[2]", "item B", "R2"))]
+    p, t = iwm_examples(rows, FMT, k=1)
+    assert p == ["Task: t | Observation: o | Action: click[1] | ",
+                 "Task: t | Observation: o | Action: back | "]
+    assert t == ["Observation: item A", "Observation: search page"]
+    p, t = sr_examples(rows, FMT, k=2)
+    assert p == [rows[0]["prompt"]] * 2
+    assert t == ["Thought: R1 | Action: click[1]", "Thought: R2 | Action: click[1]"]
+    p, c, r = dpo_pairs(rows, FMT, k=2)
+    assert c == ["Action: click[1]"] * 2 and r == ["Action: back", "Action: click[2]"]
+
+
+def test_dpo_loss_and_equal_update_counts():
+    import torch
+
+    z = torch.zeros(2)
+    assert float(dpo_loss(z, z, z, z, 0.1)) == pytest.approx(math.log(2))
+    # margin (2 - 0) - (0 - 0) = 2, beta 0.5: -log sigmoid(1)
+    one = dpo_loss(torch.tensor([2.0]), torch.tensor([0.0]), torch.tensor([0.0]),
+                   torch.tensor([0.0]), 0.5)
+    assert float(one) == pytest.approx(-math.log(1 / (1 + math.exp(-1))))
+    for steps in (2, 3, 300, 301):
+        for share in (0.01, 0.5, 0.99):
+            a, b = split_updates(steps, share)
+            assert a + b == steps and a >= 1 and b >= 1
+
+
+def test_settings_and_bad_params_rejected_by_name():
+    cfg = TrainConfig(arms=["il", "iwm", "sr"], seeds=[0, 1], steps=10, prompt=FMT,
+                      fractions=[0.25], k_sweep=[1, 4])
+    names = [s[0] for s in settings(cfg)]
+    assert names == ["il", "iwm", "sr", "il@f0.25", "iwm@f0.25", "sr@f0.25", "iwm@k1", "sr@k1"]
+    for bad, word in (({"arms": ["iwm"]}, "il"), ({"arms": ["il", "wm"]}, "wm"),
+                      ({"fractions": [1.0]}, "fractions"), ({"seeds": [0, 0]}, "repeated")):
+        with pytest.raises(ValueError, match=word):
+            TrainConfig(**{"arms": ["il"], "seeds": [0, 1], "steps": 10, "prompt": FMT, **bad})
+
+
+def test_compare_claims_on_paired_seeds():
+    from stages.early_experience import compare
+
+    class Ctx:
+        def stage_metrics(self, stage):
+            if stage == "shop":
+                return {"random/test/success": 0.0}
+            m = {}
+            for s, (il, iwm) in enumerate(((0.2, 0.4), (0.25, 0.45), (0.3, 0.52))):
+                for split in ("test", "ood"):
+                    m[f"il/s{s}/success_{split}"] = il
+                    m[f"iwm/s{s}/success_{split}"] = iwm
+            return m
+
+    out = compare.run(compare.Config(), Ctx())
+    # per-seed differences 0.2, 0.2, 0.22
+    assert out["claim/iwm_vs_il/diff"] == pytest.approx(0.62 / 3)
+    assert out["claim/iwm_vs_il/verdict"] == 1.0 and out["claim/iwm_vs_il/pairs"] == 3
+    assert "claim/sr_vs_il/verdict" not in out          # an arm not run: no claim
+    assert out["claim/il_vs_random/verdict"] == 1.0
+    assert compare.headline(out) == {"reproduced": 3.0, "inconclusive": 0.0,
+                                     "contradicted": 0.0}
