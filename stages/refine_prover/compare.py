@@ -178,4 +178,11 @@ def results_table(metrics: dict[str, dict[str, Any]]) -> str:
                      f"acceptance in the last expert-iteration round "
                      f"{t.get('mean/ei2_repair_accept', float('nan')):.3f}; value model AUC "
                      f"(train logs) {t.get('mean/value_auc_train', float('nan')):.2f}.")
+        degenerate = t.get("mean/value_degenerate") or 0
+        if degenerate:
+            lines.append(f"- **Value model degenerate** in {degenerate:.0%} of the seeds: its "
+                         "training labels had one class only (no accepted expansion, or no "
+                         "failed one), so V is the constant 0.5 there and `value_tree` is "
+                         "best-first on the visit-count re-ranking alone; `value_vs_random` "
+                         "says nothing about the value model in those seeds.")
     return "\n".join(lines) + "\n"

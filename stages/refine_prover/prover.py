@@ -30,6 +30,7 @@ updated by k failures; [ours]), so best-first does not repair one proof for ever
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -39,6 +40,8 @@ import numpy as np
 from stages.refine_prover import kernel
 from stages.search.ledger import Cost
 from stages.search.uct import Child, Evaluation, Expansion, Node
+
+log = logging.getLogger("paperline")
 
 FEATURES = ("bias", "is_root", *(f"class/{c}" for c in kernel.ERROR_CLASSES), "n_errors",
             "error_pos", "depth", "n_lines")
@@ -92,6 +95,22 @@ def fit_logistic(x: np.ndarray, y: np.ndarray, l2: float = 1e-2, iters: int = 50
         if np.max(np.abs(step)) < 1e-8:
             break
     return w
+
+
+def fit_value(x: np.ndarray, y: np.ndarray, l2: float, what: str = "value model"
+              ) -> tuple[np.ndarray, bool]:
+    """(weights, degenerate): the value model, or zero weights (V = 0.5 everywhere) when the
+    labels hold one class only. That case is said loudly (a warning here; the caller writes
+    `value_degenerate` = 1): a constant V makes `value_tree` best-first on the visit-count
+    re-ranking alone, and nothing about the value model can be read from it."""
+    x, y = np.asarray(x, float), np.asarray(y, float)
+    n_pos = int(y.sum())
+    if 0 < n_pos < len(y):
+        return fit_logistic(x, y, l2), False
+    log.warning("%s: %d positive labels of %d (one class only): weights are zero, V is the "
+                "constant 0.5 and the value-guided tree ranks by visit counts alone",
+                what, n_pos, len(y))
+    return np.zeros(x.shape[1]), True
 
 
 def log_loss(w: np.ndarray, x: np.ndarray, y: np.ndarray) -> float:

@@ -12,7 +12,9 @@ expert iteration on its own failures) and the value model.
    (the base prover's, then its own failed repairs); repairs the kernel accepts join the SFT set
    and the refiner is fine-tuned on the cold-start rows plus every accepted repair so far.
 4. Value model: random refinement trees with the final refiner on the `value` split; every
-   expansion is a row (phi(parent), child accepted); `prover.fit_logistic`.
+   expansion is a row (phi(parent), child accepted); `prover.fit_value`. Labels of one class
+   only (no expansion accepted, say) leave V constant: `value_degenerate` = 1 for that seed
+   (`mean/value_degenerate` = the share of seeds) and a warning in the log.
 
 Saved per seed under `models/seed<k>/`: `base/`, `refiner_cold/`, `refiner/` (save_pretrained,
 safetensors) and `value.json`; registered in MLflow as `refine-prover-base` / `-refiner` with
@@ -223,9 +225,10 @@ def train_seed(cfg: Config, train: Any, value_split: Any, seed: int, rng: random
     model = prover.RefineModel(base_gen, ref_gen, seed=seed)
     prover.run_tree(problems, model, cfg.value_budget, "random")
     x, y = prover.value_data(model.expansions)
-    w = prover.fit_logistic(x, y, cfg.value_l2) if 0 < y.sum() < len(y) else np.zeros(x.shape[1])
+    w, degenerate = prover.fit_value(x, y, cfg.value_l2, f"value model, seed {seed}")
     scores = prover.sigmoid(x @ w)
     m.update({"value_rows": float(len(y)), "value_pos_share": float(y.mean()),
+              "value_degenerate": float(degenerate),
               "value_auc_train": prover.auc(list(scores), list(y.astype(bool))),
               "value_logloss": prover.log_loss(w, x, y)})
     io.write_json(folder / "value.json", {"features": list(prover.FEATURES),
@@ -235,5 +238,6 @@ def train_seed(cfg: Config, train: Any, value_split: Any, seed: int, rng: random
 
 
 def headline(details: dict[str, float]) -> dict[str, float]:
-    keys = ("mean/base_train_accept", "mean/ei2_repair_accept", "mean/value_auc_train")
+    keys = ("mean/base_train_accept", "mean/ei2_repair_accept", "mean/value_auc_train",
+            "mean/value_degenerate")
     return {k: details[k] for k in keys if k in details}

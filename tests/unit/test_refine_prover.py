@@ -208,3 +208,32 @@ def test_iid_z_by_hand_and_undefined_where_the_prediction_has_no_spread():
     # size, never a perfect fit (it was reported as z = 0)
     assert iid_z(0.0, [0.0, 0.0], 8) == 0.0
     assert math.isnan(iid_z(0.02, [0.0, 0.0], 8))
+
+
+def test_value_model_with_one_label_class_is_flagged_degenerate(caplog):
+    # 3 expansions, none accepted (the cpu run's case: 0 positives of 240): no fit, weights 0,
+    # V = sigmoid(0) = 0.5 for every node, and it is said (warning + the flag `value_degenerate`)
+    x = np.array([prover.features(None, 0), prover.features(kernel.check(ST, "lin h1"), 1),
+                  prover.features(kernel.check(ST, "lin h2"), 2)])
+    with caplog.at_level("WARNING", logger="paperline"):
+        w, degenerate = prover.fit_value(x, np.zeros(3), 0.01, "value model, seed 7")
+    assert degenerate and not w.any()
+    assert prover.sigmoid(x @ w).tolist() == [0.5, 0.5, 0.5]
+    assert "value model, seed 7: 0 positive labels of 3" in caplog.text
+    _, degenerate = prover.fit_value(x, np.ones(3), 0.01)           # all accepted: same
+    assert degenerate
+    caplog.clear()
+    w, degenerate = prover.fit_value(x, np.array([1.0, 0.0, 0.0]), 0.01)
+    assert not degenerate and w.any() and not caplog.text
+
+
+def test_results_table_says_a_degenerate_value_model():
+    from stages.refine_prover.compare import results_table
+
+    compare = {"iid/B8/solved": 0.25, "iid/output_tokens": 300.0}
+    train = {"mean/base_train_accept": 0.0, "mean/ei2_repair_accept": 0.0,
+             "mean/value_auc_train": float("nan"), "mean/value_degenerate": 1.0}
+    text = results_table({"compare": compare, "train": train})
+    assert "**Value model degenerate** in 100% of the seeds" in text
+    train["mean/value_degenerate"] = 0.0
+    assert "degenerate" not in results_table({"compare": compare, "train": train})
