@@ -167,11 +167,14 @@ def results_table(metrics: dict[str, dict[str, Any]]) -> str:
                      f"{s['real_failures/shared_share']:.2f} share one).")
         if "iid_check/max_abs_z" in s:
             undefined = s.get("iid_check/undefined") or 0
-            lines.append(f"- i.i.d. check: max |observed - (1 - (1 - p)^B)| / sd over seeds and "
-                         f"budgets = {s['iid_check/max_abs_z']:.2f}"
-                         + (f"; {undefined:.0f} (seed, budget) cells where every measured rate "
-                            "is 0 or 1 (sd 0) yet the observed share differs: untestable there"
-                            if undefined else "") + ".")
+            unchecked = s.get("iid_check/unchecked") or 0
+            lines.append(f"- i.i.d. check (per problem, solved at B against 1 - C(n-k, B)/C(n, B) "
+                         f"from k of n separate samples; t statistic over problems): max |z| over "
+                         f"seeds and budgets = {s['iid_check/max_abs_z']:.2f}"
+                         + (f"; {undefined:.0f} (seed, budget) cells with a constant non-zero "
+                            "difference (no spread): untestable there" if undefined else "")
+                         + (f"; {unchecked:.0f} (seed, budget) cells with B above the rate "
+                            "samples n: not checkable" if unchecked else "") + ".")
     if t:
         lines.append(f"- Base prover acceptance on train statements "
                      f"{t.get('mean/base_train_accept', float('nan')):.3f}; refiner repair "

@@ -14,8 +14,9 @@ B), so the run at B is the first B generations of the run at the largest budget.
 once at max(B) and `stages.search.budget.run_budget_grid` replays the first B generations into
 a fresh ledger per budget (`prover.GenLog.at_budget`), which checks that no problem spends past
 B. Output: one row per (seed, arm, budget, problem) with `score` (solved) and every unit of
-`stages.search.ledger.Cost`; the i.i.d. check compares the i.i.d. arm with 1 - (1 - p)^B from
-per-problem rates p measured on a separate set of `rate_samples` samples; the base prover's
+`stages.search.ledger.Cost`; the i.i.d. check compares the i.i.d. arm with 1 - (1 - p)^B
+estimated without bias from per-problem counts on a separate set of `rate_samples` samples
+(`iid_check`; budgets above `rate_samples` cannot be checked and are counted); the base prover's
 wrong samples give the compression statistics of real failures.
 
     python -m stages refine_prover search
@@ -162,18 +163,22 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
         wrong += wrong_s
         metrics[f"seed{seed}/base_rate"] = float(np.mean(list(rates.values())))
         if "iid" in logs:
+            n = cfg.rate_samples
+            successes = [round(rates[p] * n) for p in problems]
             for b in cfg.budgets:
-                observed = np.mean([logs["iid"][p].at_budget(b)[0] for p in problems])
-                pred = prover.predicted_iid(list(rates.values()), b)
-                metrics[f"iid_check/seed{seed}/B{b}/observed"] = float(observed)
+                solved = [float(logs["iid"][p].at_budget(b)[0]) for p in problems]
+                if b > n:  # no unbiased estimate of (1 - p)^B from n < B samples exists
+                    metrics["iid_check/unchecked"] = metrics.get("iid_check/unchecked", 0.0) + 1
+                    continue
+                observed, pred, z = iid_check(solved, successes, n, b)
+                metrics[f"iid_check/seed{seed}/B{b}/observed"] = observed
                 metrics[f"iid_check/seed{seed}/B{b}/predicted"] = pred
-                metrics[f"iid_check/seed{seed}/B{b}/z"] = iid_z(
-                    float(observed), list(rates.values()), b)
+                metrics[f"iid_check/seed{seed}/B{b}/z"] = z
     zs = [v for k, v in metrics.items() if k.startswith("iid_check/") and k.endswith("/z")]
     if zs:
         finite = [abs(z) for z in zs if math.isfinite(z)]
         metrics["iid_check/max_abs_z"] = float(max(finite)) if finite else float("nan")
-        # cells whose predicted sd is 0 (every rate 0 or 1) yet the observation differs
+        # cells where observed and predicted agree on every problem (no spread): z undefined
         metrics["iid_check/undefined"] = float(sum(not math.isfinite(z) for z in zs))
     metrics.update({f"real_failures/{k}": v for k, v in kernel.signature_counts(wrong).items()})
     frame = pl.DataFrame(rows)
@@ -197,17 +202,38 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     return metrics
 
 
-def iid_z(observed: float, rates: list[float], budget: int) -> float:
-    """(observed - predicted) / sd of the i.i.d. solved fraction at `budget` over `len(rates)`
-    problems, sd from the per-problem Bernoulli variances. Where every rate is 0 or 1 the sd is
-    0: z is 0 when the observation equals the prediction, else NaN (the check cannot size a
-    mismatch it predicts to be impossible, and must not report it as a perfect fit)."""
-    pred = prover.predicted_iid(rates, budget)
-    var = sum((1 - (1 - r) ** budget) * (1 - r) ** budget for r in rates)
-    sd = math.sqrt(var) / len(rates)
+def unsolved_estimate(k: int, n: int, budget: int) -> float:
+    """Unbiased estimate of (1 - p)^B from k accepted of n i.i.d. samples (B <= n): the chance
+    that B of the n samples drawn without replacement are all failures, C(n - k, B) / C(n, B).
+    The plug-in (1 - k/n)^B is biased (Jensen): a problem solved at 1% per sample shows k = 0 of
+    32 most of the time and would be predicted never solved, so the check read z = 8.7."""
+    if not 0 <= k <= n or not 1 <= budget <= n:
+        raise ValueError(f"unsolved_estimate needs 0 <= k <= n and 1 <= B <= n, got k={k}, "
+                         f"n={n}, B={budget}")
+    return math.comb(n - k, budget) / math.comb(n, budget)
+
+
+def iid_check(solved: list[float], successes: list[int], n: int, budget: int
+              ) -> tuple[float, float, float]:
+    """(observed, predicted, z) of the i.i.d. check at `budget` (<= n) over problems.
+
+    Per problem, D = solved_B - (1 - U), with U = `unsolved_estimate(k, n, B)` from separate
+    samples: E[D] = 0 exactly when i.i.d. sampling at B behaves as the rates say, and the D are
+    independent across problems, so z = mean(D) / (sd(D) / sqrt(N)) (a one-sample t statistic;
+    the spread of D carries both the sampling noise of the arm and the error of the rates).
+    z is 0 when every D is 0 and NaN when the D agree on a non-zero value (no spread to size
+    it)."""
+    if len(solved) != len(successes) or not solved:
+        raise ValueError(f"iid_check needs one rate per problem: {len(solved)} solved, "
+                         f"{len(successes)} rates")
+    pred = [1.0 - unsolved_estimate(k, n, budget) for k in successes]
+    d = np.asarray(solved, dtype=float) - np.asarray(pred)
+    observed, predicted = float(np.mean(solved)), float(np.mean(pred))
+    sd = float(np.std(d, ddof=1)) if len(d) > 1 else 0.0
     if sd > 0:
-        return float((observed - pred) / sd)
-    return 0.0 if math.isclose(observed, pred, abs_tol=1e-12) else float("nan")
+        return observed, predicted, float(d.mean() / (sd / math.sqrt(len(d))))
+    return observed, predicted, (0.0 if math.isclose(float(d.mean()), 0.0, abs_tol=1e-12)
+                                 else float("nan"))
 
 
 def headline(details: dict[str, float]) -> dict[str, float]:

@@ -198,16 +198,31 @@ def test_results_table_renders_arms_claims_and_checks():
     assert results_table({}) == "_No results yet: run the pipeline._\n"
 
 
-def test_iid_z_by_hand_and_undefined_where_the_prediction_has_no_spread():
-    from stages.refine_prover.search import iid_z
+def test_unsolved_estimate_by_hand_and_unbiased():
+    from math import comb
 
-    # rates 0.5, 0.5 at B = 1: predicted 0.5, var = 2 * 0.25, sd = sqrt(0.5) / 2 = 0.35355
-    assert iid_z(1.0, [0.5, 0.5], 1) == pytest.approx(0.5 / 0.353553, rel=1e-5)
-    assert iid_z(0.5, [0.5, 0.5], 1) == 0.0
-    # every rate 0: predicted 0 with sd 0; a solve observed anyway is a mismatch the check cannot
-    # size, never a perfect fit (it was reported as z = 0)
-    assert iid_z(0.0, [0.0, 0.0], 8) == 0.0
-    assert math.isnan(iid_z(0.02, [0.0, 0.0], 8))
+    from stages.refine_prover.search import unsolved_estimate
+
+    # C(n-k, B) / C(n, B) with n = 4, B = 2: k = 0, 1, 2, 3 -> 1, 3/6, 1/6, 0
+    assert [unsolved_estimate(k, 4, 2) for k in range(4)] == pytest.approx([1, 0.5, 1 / 6, 0])
+    n, b, p = 6, 3, 0.3   # E_k[U] over k ~ Bin(n, p) is (1 - p)^B exactly
+    mean = sum(comb(n, k) * p ** k * (1 - p) ** (n - k) * unsolved_estimate(k, n, b)
+               for k in range(n + 1))
+    assert mean == pytest.approx((1 - p) ** b, rel=1e-12)
+    with pytest.raises(ValueError, match="B <= n"):
+        unsolved_estimate(0, 4, 8)   # no unbiased estimate for B > n
+
+
+def test_iid_check_by_hand():
+    from stages.refine_prover.search import iid_check
+
+    # predictions 1 - 1/6 and 0; D = (1/6, 0); mean 1/12, sd (1/6)/sqrt(2): z = 1
+    obs, pred, z = iid_check([1.0, 0.0], [2, 0], 4, 2)
+    assert (obs, pred) == pytest.approx((0.5, 5 / 12)) and z == pytest.approx(1.0)
+    assert iid_check([1.0, 0.0], [4, 0], 4, 2)[2] == 0.0        # every D is 0
+    assert math.isnan(iid_check([1.0, 1.0], [0, 0], 4, 2)[2])   # D all 1: no spread to size it
+    with pytest.raises(ValueError, match="one rate per problem"):
+        iid_check([1.0], [0, 0], 4, 2)
 
 
 def test_value_model_with_one_label_class_is_flagged_degenerate(caplog):
