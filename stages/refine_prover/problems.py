@@ -178,6 +178,7 @@ def _lines_entailed(statement: str, proof: str) -> bool:
 
 
 def headline(details: dict[str, float]) -> dict[str, float]:
-    keys = ("n_test", "tamper_rejected_share", "coq_agreement",
-            "synthetic/proofs_per_signature")
-    return {k: details[k] for k in keys if k in details}
+    keys = {"n_test": "n_test", "tamper_rejected_share": "tamper_rejected_share",
+            "coq_agreement": "coq_agreement",
+            "proofs_per_signature": "synthetic/proofs_per_signature"}
+    return {short: details[k] for short, k in keys.items() if k in details}
