@@ -12,8 +12,11 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-# One state folder per pytest-xdist worker (`make test` runs two): no shared Prefect database.
-STATE = REPO / ".paperline" / "test-state" / os.environ.get("PYTEST_XDIST_WORKER", "main")
+# One state folder per pytest-xdist worker (`make test` runs two) and per concurrent session
+# (`make test` runs the server tests beside them with PAPERLINE_TEST_STATE=servers): no shared
+# Prefect database.
+STATE = REPO / ".paperline" / "test-state" / (os.environ.get("PAPERLINE_TEST_STATE")
+                                              or os.environ.get("PYTEST_XDIST_WORKER", "main"))
 
 os.environ.setdefault("PREFECT_HOME", str(STATE / "prefect"))
 os.environ.setdefault("HF_HOME", str(STATE / "hf"))
