@@ -101,14 +101,14 @@ def matrix_figure(matrix: Any, path: Any) -> None:
             grid[i][j] = v
         ax.imshow(grid, vmin=0, vmax=1, cmap="viridis")
         for i in range(t):
-            for j in range(t):
+            for j in range(i + 1):
                 ax.text(j, i, f"{grid[i][j]:.2f}", ha="center", va="center", fontsize=6,
                         color="w" if grid[i][j] < 0.6 else "k")
         ax.set_title(arm, fontsize=8)
         ax.set_xlabel("task position j", fontsize=7)
         ax.set_ylabel("after training i", fontsize=7)
         ax.tick_params(labelsize=6)
-    fig.suptitle("accuracy a[i][j], mean over seeds and orders", fontsize=8)
+    fig.suptitle("accuracy a[i][j] (tasks seen so far), mean over seeds and orders", fontsize=8)
     fig.tight_layout()
     with io.atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=110)

@@ -35,7 +35,7 @@ class Config(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     out: str = Field("same_tasks", description="path key of the task folder")
-    tasks: list[str] = Field(default_factory=lambda: list(shapes_tasks.TASKS), min_length=2,
+    tasks: list[str] = Field(default_factory=lambda: list(shapes_tasks.TASKS[:5]), min_length=2,
                              description="tasks to draw (names from shapes_tasks.TASKS)")
     shapes: shapes_family.Config = Field(default_factory=shapes_family.Config,
                                          description="shapes world (as the vlm pipeline's)")
@@ -49,8 +49,10 @@ class Config(BaseModel):
             raise ValueError(f"tasks {bad}: known {list(shapes_tasks.TASKS)}")
         if len(set(self.tasks)) != len(self.tasks):
             raise ValueError(f"tasks {self.tasks} list a task twice")
-        if "many" in self.tasks and self.shapes.max_objects < shapes_tasks.MANY_AT:
-            raise ValueError(f"task 'many' needs shapes.max_objects >= {shapes_tasks.MANY_AT}")
+        if ({"many", "one", "same_colour"} & set(self.tasks)
+                and self.shapes.max_objects < shapes_tasks.MANY_AT):
+            raise ValueError(f"tasks 'many', 'one' and 'same_colour' need shapes.max_objects >= "
+                             f"{shapes_tasks.MANY_AT}")
         return self
 
 

@@ -20,7 +20,11 @@ Where this departs from the paper / official code (Prism `PEFT/tuners/custom/sam
   update of the issue (old routing exactly kept when the subspace holds all old energy);
   `scaled` is the code's clamp((1/s)/max(1/s), 1 -+ 0.2) on the sliding-averaged spectrum;
 - sigma is a standard deviation (sqrt of an eigenvalue) as in the code, not a variance;
-- inference routing is dense (no top-2) and uses every expert (freezing masks are for training).
+- inference routing is dense (no top-2) and uses every expert; by default (`freeze_mode:
+  gradient`) a frozen expert keeps its routing weight while training and only gets no update:
+  masked out of the routing (`mask`, the code), the unfrozen expert's weight is renormalised to
+  1 while training and falls back to ~1/E under dense inference, which undid what it learned
+  (task 1 accuracy 0.0 right after task 1 in a development run; README).
 
 Run: `paperline repro same` (pipelines/same/README.md).
 """
@@ -44,6 +48,7 @@ class Adapter(BaseModel):
     rank: int = Field(4, ge=1, le=256, description="rank of each expert")
     alpha_ratio: float = Field(2.0, gt=0, le=64, description="lora_alpha / rank (code 128/64)")
     dropout: float = Field(0.05, ge=0, lt=1, description="LoRA dropout on the input (code)")
+    a_std: float = Field(0.01, gt=0, le=1, description="init std of LoRA-A (code: 0.01; B = 0)")
     routing: Literal["token", "batch"] = Field(
         "token", description="token: w per token (paper); batch: mean over the batch (code)")
     cross_terms: bool = Field(False, description="code form sum_i w_i B_i (sum_j w_j A_j x)")
@@ -67,6 +72,9 @@ class Method(BaseModel):
     ema: float = Field(0.95, gt=0, lt=1, description="decay of the usage / importance EMAs")
     tau: float = Field(0.1, ge=-1, le=1, description="freeze when score < tau (code 0.1)")
     centre: bool = Field(False, description="centre the inputs before the moment (code: yes)")
+    freeze_mode: Literal["gradient", "mask"] = Field(
+        "gradient", description="frozen experts: no update but still routed (gradient), or "
+                                "also masked out of the routing while training (mask, code)")
 
 
 # --- the math: small pure functions --------------------------------------------------------
@@ -184,7 +192,7 @@ class MoELoRAMLP(nn.Module):
     PROJ = ("gate", "up", "down")
 
     def __init__(self, mlp: nn.Module, adapter: Adapter, generator: torch.Generator,
-                 a_std: float = 0.01, router_std: float = 0.02):
+                 router_std: float = 0.02):
         super().__init__()
         self.mlp = mlp
         for p in self.mlp.parameters():
@@ -195,10 +203,11 @@ class MoELoRAMLP(nn.Module):
         dims = {"gate": (d, inter), "up": (d, inter), "down": (inter, d)}
         for name, (fan_in, fan_out) in dims.items():      # A ~ N(0, a_std), B = 0 (code)
             setattr(self, f"A_{name}", nn.Parameter(torch.randn(e, r, fan_in,
-                                                                generator=generator) * a_std))
+                                                                generator=generator) * adapter.a_std))
             setattr(self, f"B_{name}", nn.Parameter(torch.zeros(e, fan_out, r)))
         self.router = nn.Parameter(torch.randn(e, d, generator=generator) * router_std)
-        self.register_buffer("mask", torch.ones(e))
+        self.register_buffer("mask", torch.ones(e))       # 0 = frozen expert
+        self.route_mask = True          # False: the mask blocks updates only, not routing
         self.drop = nn.Dropout(adapter.dropout)
         self.record = False
         self.seen: dict[str, torch.Tensor] = {}
@@ -208,16 +217,20 @@ class MoELoRAMLP(nn.Module):
         w = torch.softmax(x @ self.router.T, dim=-1)
         if self.adapter.routing == "batch":
             w = w.mean(dim=(0, 1), keepdim=True).expand_as(w)
+        if not self.route_mask:
+            return w
         w = w * self.mask
         return w / w.sum(-1, keepdim=True).clamp_min(1e-12)
 
     def lora(self, x: torch.Tensor, w: torch.Tensor, name: str) -> torch.Tensor:
+        """s sum_i w_i B_i A_i x as two matmuls over the experts stacked (E*r wide)."""
         a, b = getattr(self, f"A_{name}"), getattr(self, f"B_{name}")
-        h = torch.einsum("btd,erd->bter", self.drop(x), a)            # (B, T, E, r)
-        if self.adapter.cross_terms:                                  # code form
-            h = torch.einsum("bter,bte->btr", h, w)
-            return self.scale * torch.einsum("btr,eor,bte->bto", h, b, w)
-        return self.scale * torch.einsum("bter,eor,bte->bto", h, b, w)
+        e, r, fan_in = a.shape
+        h = (self.drop(x) @ a.reshape(e * r, fan_in).T).unflatten(-1, (e, r))  # (B, T, E, r)
+        if self.adapter.cross_terms:          # code form: sum_i w_i B_i (sum_j w_j A_j x)
+            h = (h * w[..., None]).sum(-2, keepdim=True).expand_as(h)
+        h = (h * w[..., None]).flatten(-2)                                   # (B, T, E*r)
+        return self.scale * (h @ b.permute(0, 2, 1).reshape(e * r, -1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weights(x)
@@ -262,10 +275,10 @@ class History:
 
     def observe(self, seen: dict[str, torch.Tensor], centre: bool) -> None:
         for key in ("x", "inter"):
-            x = seen[key].reshape(-1, seen[key].shape[-1]).double()
+            x = seen[key].reshape(-1, seen[key].shape[-1])
             if centre:
                 x = x - x.mean(0, keepdim=True)
-            s = x.T @ x
+            s = (x.T @ x).double()
             self.pending[key] = s if self.pending[key] is None else self.pending[key] + s
             self.pending_n[key] += x.shape[0]
 

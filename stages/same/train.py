@@ -7,7 +7,7 @@ order, `steps` optimiser steps per task (AdamW, warm-up then cosine, a new optim
 the code's one run per task). Arms (params `arms`): LoRA fine-tuning (one expert of the same
 total rank), MoE-LoRA, + spectral router, + curvature, + adaptive freezing (= SAME).
 
-After each task every task's test split is scored (first-token greedy accuracy: the answer is
+After each task the test split of every task seen so far is scored (first-token greedy accuracy: the answer is
 one word, so the answer's token is the argmax at the last prompt position), giving the matrix
 a[i][j]. Also: the zero-shot accuracy of the frozen model, the first task's expert usage (mean
 routing weight per layer) after task 1 and after the last task (router drift, JS divergence),
@@ -89,7 +89,10 @@ class Config(BaseModel):
     probe_steps: int = Field(100, ge=0, le=1_000_000, description="re-routing probe steps")
     probe_lr: float = Field(2e-3, gt=0, le=1, description="re-routing probe learning rate")
     max_test_rows: int | None = Field(None, ge=1, description="score at most this many rows")
-    num_threads: int = Field(0, ge=0, le=256, description="torch threads; 0 = all cores")
+    num_threads: int = Field(0, ge=0, le=256, description="torch threads (workers = 1); 0 = all "
+                                                         "cores")
+    workers: int = Field(1, ge=1, le=64, description="processes over the (seed, order) runs, "
+                                                     "one torch thread each")
 
     @model_validator(mode="after")
     def _check(self) -> "Config":
@@ -233,6 +236,7 @@ def train_task(vlm: Any, layers: list[same.MoELoRAMLP], data: TaskData, cfg: Con
     same.set_recording(layers, record)
     for layer in layers:
         layer.train()
+        layer.route_mask = cfg.method.freeze_mode == "mask"
     losses, frozen_steps = [], 0.0
     for _ in range(steps):
         idx = torch.randint(len(data), (cfg.batch_size,), generator=generator)
@@ -260,7 +264,7 @@ def train_task(vlm: Any, layers: list[same.MoELoRAMLP], data: TaskData, cfg: Con
             for layer, fr in zip(layers, freezers):
                 layer.mask.copy_((~fr.step(layer.seen)).float())
                 frozen_steps += float((~layer.mask.bool()).float().mean()) / len(layers)
-        losses.append(float(loss))
+        losses.append(loss.item())
     for layer in layers:
         layer.eval()
         layer.mask.fill_(1.0)         # inference uses every expert
@@ -297,7 +301,8 @@ def run_sequence(vlm: Any, arm: str, adapter: same.Adapter, order: list[str],
             if hist is not None:
                 for h in hist:
                     h.end_task(cfg.method.delta)
-            acc.append([accuracy(vlm, data[j]["test"]) for j in order])
+            # a[t][j] for the tasks seen so far (j <= t): what BWT and the final average need
+            acc.append([accuracy(vlm, data[j]["test"]) for j in order[:t + 1]])
             log({f"loss_task{t}": loss, f"acc_task{t}": acc[-1][t]}, t)
             if adapter.experts > 1 and t in (0, len(order) - 1):
                 use["after_first" if t == 0 else "after_last"] = usage(vlm, layers, first)
@@ -332,11 +337,41 @@ def save_adapter(path: Any, state: dict[str, torch.Tensor], adapter: same.Adapte
             indent=2) + "\n")
 
 
-def run(cfg: Config, ctx: Any) -> dict[str, float]:
+def run_job(job: dict[str, Any]) -> dict[str, Any]:
+    """Every arm on one (seed, order): one process (a worker when `workers` > 1), one thread."""
     from stages.models import vlm as vlm_model
     from stages.models.base import set_threads
 
-    set_threads(cfg.num_threads)
+    cfg = Config.model_validate(job["cfg"])
+    set_threads(job["threads"])
+    seed, o = job["seed"], job["order"]
+    order = cfg.orders[o]
+    vlm = vlm_model.load_vlm(job["model"], layout=cfg.layout)
+    for p in vlm.model.parameters():
+        p.requires_grad_(False)
+    data: dict[str, dict[str, TaskData]] = {}
+    for t, splits in job["tables"].items():
+        data[t] = {}
+        for split, (df, images) in splits.items():
+            ids, answers = encode(vlm, df, t)
+            data[t][split] = TaskData(ids, answers, image_features(vlm, images))
+    zero = {t: accuracy(vlm, data[t]["test"]) for t in order}
+    results = []
+    for arm, adapter in cfg.arms.items():
+        started = time.perf_counter()
+        logs: list[tuple[dict[str, float], int]] = []
+        res = run_sequence(vlm, arm, adapter, order, data, cfg, seed, o,
+                           lambda m, step: logs.append((m, step)))
+        res.update(arm=arm, logs=logs, seconds=time.perf_counter() - started)
+        acc = res["acc"]
+        print(f"train: seed {seed} order {o} {arm}: avg {same.average_accuracy(acc):.3f}, BWT "
+              f"{same.bwt(acc):+.3f}, JS {res['js']:.3f}, probe {res['probe']:.3f} "
+              f"({res['seconds']:.1f} s)", flush=True)
+        results.append(res)
+    return {"seed": seed, "order": o, "zero": zero, "results": results}
+
+
+def run(cfg: Config, ctx: Any) -> dict[str, float]:
     folder = ctx.path(cfg.models)
     ckpt = {s: s if cfg.checkpoint is None else cfg.checkpoint for s in cfg.seeds}
     missing = sorted({ckpt[s] for s in cfg.seeds
@@ -346,78 +381,78 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
                                 f"pipeline (paperline repro vlm) with these seeds")
     tasks_dir = ctx.path(cfg.tasks)
     tasks = list(cfg.orders[0])
+    # every table checked and every image decoded here, before any compute
     tables = {t: {s: read_split(tasks_dir, t, s, cfg.image_size) for s in ("train", "test")}
               for t in tasks}
     if cfg.max_test_rows:
         tables = {t: {**v, "test": (v["test"][0].head(cfg.max_test_rows),
                                     v["test"][1][:cfg.max_test_rows])} for t, v in tables.items()}
+    jobs = [{"cfg": cfg.model_dump(), "seed": s, "order": o, "tables": tables,
+             "model": str(folder / f"seed{ckpt[s]}"),
+             "threads": cfg.num_threads if cfg.workers == 1 else 1}
+            for s in cfg.seeds for o in range(len(cfg.orders))]
+    if cfg.workers == 1:
+        outs = [run_job(j) for j in jobs]
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(min(cfg.workers, len(jobs)),
+                                 mp_context=multiprocessing.get_context("spawn")) as pool:
+            outs = list(pool.map(run_job, jobs))
     matrix, runs, usage_rows = [], [], []
     metrics: dict[str, float] = {}
     adapters = ctx.path(cfg.adapters)
     registered: set[str] = set()
-    for seed in cfg.seeds:
-        vlm = vlm_model.load_vlm(folder / f"seed{ckpt[seed]}", layout=cfg.layout)
-        for p in vlm.model.parameters():
-            p.requires_grad_(False)
-        data: dict[str, dict[str, TaskData]] = {}
-        for t in tasks:
-            data[t] = {}
-            for split, (df, images) in tables[t].items():
-                ids, answers = encode(vlm, df, t)
-                data[t][split] = TaskData(ids, answers, image_features(vlm, images))
-        zero = {t: accuracy(vlm, data[t]["test"]) for t in tasks}
-        for t in tasks:
-            metrics[f"seed{seed}/zero_shot/{t}"] = zero[t]
-        for o, order in enumerate(cfg.orders):
-            for arm, adapter in cfg.arms.items():
-                started = time.perf_counter()
-                with ctx.method_run(ctx.stage, arm, seed * len(cfg.orders) + o,
-                                    params={"arm": arm, "seed": seed, "order": o,
-                                            "tasks": ",".join(order), "steps": cfg.steps,
-                                            **{k: v for k, v in adapter.model_dump().items()}}
-                                    ) as mr:
-                    res = run_sequence(vlm, arm, adapter, order, data, cfg, seed, o,
-                                       mr.log_metrics)
-                    acc = res["acc"]
-                    row = {"arm": arm, "seed": seed, "order": o,
-                           "avg": same.average_accuracy(acc), "bwt": same.bwt(acc),
-                           "router_js": res["js"], "probe_acc": res["probe"],
-                           "first_after_first": acc[0][0], "first_after_last": acc[-1][0],
-                           "zero_shot_avg": sum(zero[t] for t in order) / len(order),
-                           "frozen_share": res["frozen_share"],
-                           "seconds": time.perf_counter() - started}
-                    mr.log_metrics({k: v for k, v in row.items()
-                                    if isinstance(v, float) and math.isfinite(v)})
-                runs.append(row)
-                for i, after in enumerate(order):
-                    for j, task in enumerate(order):
-                        matrix.append({"arm": arm, "seed": seed, "order": o, "after": i,
-                                       "after_task": after, "position": j, "task": task,
-                                       "acc": acc[i][j]})
-                for when, layers_use in res["usage"].items():
-                    for li, u in enumerate(layers_use):
-                        usage_rows += [{"arm": arm, "seed": seed, "order": o, "when": when,
-                                        "layer": li, "expert": e, "usage": float(x)}
-                                       for e, x in enumerate(u)]
-                for k in ("avg", "bwt", "router_js", "probe_acc"):
-                    metrics[f"seed{seed}/order{o}/{arm}/{k}"] = row[k]
-                path = adapters / arm / f"seed{seed}-order{o}"
-                save_adapter(path, res["state"], adapter,
-                             {"arm": arm, "seed": seed, "order": order,
-                              "base": str(folder / f"seed{ckpt[seed]}")})
-                if arm not in registered:
-                    aliases = [arm.replace("_", "-")] + (["champion"] if arm == "same" else [])
-                    if ctx.tracker is not None:
-                        ctx.tracker.register_model(path, cfg.register_as, aliases,
-                                                   tags={"arm": arm})
-                    registered.add(arm)
-                print(f"train: seed {seed} order {o} {arm}: avg {row['avg']:.3f}, BWT "
-                      f"{row['bwt']:+.3f}, JS {row['router_js']:.3f}, probe "
-                      f"{row['probe_acc']:.3f} ({row['seconds']:.1f} s)", flush=True)
-    out = ctx.path(cfg.out)
-    io.write_parquet(out / "matrix.parquet", pl.DataFrame(matrix, schema=MATRIX_SCHEMA))
-    io.write_parquet(out / "runs.parquet", pl.DataFrame(runs, schema=RUNS_SCHEMA))
-    io.write_parquet(out / "usage.parquet", pl.DataFrame(usage_rows, schema=USAGE_SCHEMA))
+    for out in outs:
+        seed, o = out["seed"], out["order"]
+        order = cfg.orders[o]
+        for t, v in out["zero"].items():
+            metrics[f"seed{seed}/zero_shot/{t}"] = v
+        for res in out["results"]:
+            arm, acc = res["arm"], res["acc"]
+            adapter = cfg.arms[arm]
+            row = {"arm": arm, "seed": seed, "order": o,
+                   "avg": same.average_accuracy(acc), "bwt": same.bwt(acc),
+                   "router_js": res["js"], "probe_acc": res["probe"],
+                   "first_after_first": acc[0][0], "first_after_last": acc[-1][0],
+                   "zero_shot_avg": sum(out["zero"].values()) / len(out["zero"]),
+                   "frozen_share": res["frozen_share"], "seconds": res["seconds"]}
+            with ctx.method_run(ctx.stage, arm, seed * len(cfg.orders) + o,
+                                params={"arm": arm, "seed": seed, "order": o,
+                                        "tasks": ",".join(order), "steps": cfg.steps,
+                                        **adapter.model_dump()}) as mr:
+                for m, step in res["logs"]:
+                    mr.log_metrics(m, step)
+                mr.log_metrics({k: v for k, v in row.items()
+                                if isinstance(v, float) and math.isfinite(v)})
+            runs.append(row)
+            for i, after in enumerate(order):
+                for j, task in enumerate(order[:i + 1]):
+                    matrix.append({"arm": arm, "seed": seed, "order": o, "after": i,
+                                   "after_task": after, "position": j, "task": task,
+                                   "acc": acc[i][j]})
+            for when, layers_use in res["usage"].items():
+                for li, u in enumerate(layers_use):
+                    usage_rows += [{"arm": arm, "seed": seed, "order": o, "when": when,
+                                    "layer": li, "expert": e, "usage": float(x)}
+                                   for e, x in enumerate(u)]
+            for k in ("avg", "bwt", "router_js", "probe_acc"):
+                metrics[f"seed{seed}/order{o}/{arm}/{k}"] = row[k]
+            path = adapters / arm / f"seed{seed}-order{o}"
+            save_adapter(path, res["state"], adapter,
+                         {"arm": arm, "seed": seed, "order": order,
+                          "base": str(folder / f"seed{ckpt[seed]}")})
+            if arm not in registered:
+                aliases = [arm.replace("_", "-")] + (["champion"] if arm == "same" else [])
+                if ctx.tracker is not None:
+                    ctx.tracker.register_model(path, cfg.register_as, aliases,
+                                               tags={"arm": arm})
+                registered.add(arm)
+    out_dir = ctx.path(cfg.out)
+    io.write_parquet(out_dir / "matrix.parquet", pl.DataFrame(matrix, schema=MATRIX_SCHEMA))
+    io.write_parquet(out_dir / "runs.parquet", pl.DataFrame(runs, schema=RUNS_SCHEMA))
+    io.write_parquet(out_dir / "usage.parquet", pl.DataFrame(usage_rows, schema=USAGE_SCHEMA))
     metrics["runs"] = float(len(runs))
     return metrics
 

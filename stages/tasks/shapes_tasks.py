@@ -10,14 +10,25 @@ LoRA):
 | task | images | query | answer |
 |---|---|---|---|
 | `colour` | 1 object | `describe a .` | its colour (5 words) |
-| `shape` | 1 object | `describe a ?` | its shape (4 words) |
+| `many` | 1-4 objects | `is there a and a and a ?` | yes if 3 or more objects (counting) |
+| `colour_code` | 1 object | `describe a ?` | a shape word coding its colour (`CODE`) |
+| `one` | 1-4 objects | `is there a ?` | yes if exactly one object (counting) |
+| `same_colour` | 2-4 objects of one colour | `describe a and a .` | that colour |
+| `two` | 1-4 objects | `is there a and a ?` | yes if exactly two objects (counting) |
+| `warm` | 1 object | `is there a . ?` | yes if red, yellow or purple (`WARM`) |
+| `shape` | 1 object | `describe the a ?` | its shape (4 words) |
 | `has_colour` | 1-4 objects | `is there a <colour> ?` | yes / no (colour anywhere) |
 | `has_shape` | 1-4 objects | `is there a <shape> ?` | yes / no (shape anywhere) |
-| `many` | 1-4 objects | `is there a and a and a ?` | yes if 3 or more objects (counting) |
+
+`colour`, `many`, `same_colour`, `one` and `two` are the SAME pipeline's tasks: the frozen `vlm-shapes` checkpoints carry colour
+and object count in the last prompt position, and a rank-4 FFN adapter learns them in tens of
+steps. `colour_code` and `warm` (colour mapped to other answer words) stay at chance after 80
+steps, `shape`, `has_colour` and `has_shape` after 200, on that checkpoint
+(pipelines/same/README.md): they are kept for larger models. Same input, different answer
+(`many` / `one` / `two`) is what makes naive tuning forget.
 
 Queries are made of the tokenizer's own words: an unknown word would be `<unk>` for every task.
-Yes/no tasks are balanced by construction (the asked colour / shape is drawn present or absent
-with probability 1/2; `many` draws 1-2 or 3-4 objects with probability 1/2).
+Yes/no tasks are balanced exactly: rows alternate between a `yes` and a `no` image.
 
 Everything is deterministic in (seed, task, split); splits are pixel-disjoint within a task.
 """
@@ -35,7 +46,13 @@ if TYPE_CHECKING:
     from stages.core.checks import FrameSpec
 
 FAMILY = "shapes_tasks"
-TASKS = ("colour", "shape", "has_colour", "has_shape", "many")
+TASKS = ("colour", "many", "same_colour", "one", "two", "colour_code", "warm", "shape",
+         "has_colour", "has_shape")
+YES_NO = ("has_colour", "has_shape", "many", "one", "two", "warm")
+WARM = ("red", "yellow", "purple")
+# colour_code: a fixed code from colour to a shape word (the same visual feature, new answers)
+CODE = {"red": "square", "green": "triangle", "blue": "diamond", "yellow": "circle",
+        "purple": "triangle"}
 SPLITS = ("test", "val", "train")          # held-out splits drawn first
 MANY_AT = 3                                # `many`: yes when an image holds >= 3 objects
 
@@ -56,8 +73,18 @@ def query_of(task: str, asked: str | None = None) -> str:
     """The instruction of `task` (`asked`: the colour / shape of a has_* question)."""
     if task == "colour":
         return "describe a ."
-    if task == "shape":
+    if task == "colour_code":
         return "describe a ?"
+    if task == "one":
+        return "is there a ?"
+    if task == "two":
+        return "is there a and a ?"
+    if task == "warm":
+        return "is there a . ?"
+    if task == "same_colour":
+        return "describe a and a ."
+    if task == "shape":
+        return "describe the a ?"
     if task in ("has_colour", "has_shape"):
         if not asked:
             raise ValueError(f"task {task!r} needs the asked colour / shape")
@@ -69,11 +96,13 @@ def query_of(task: str, asked: str | None = None) -> str:
 
 def answer_words(task: str, cfg: shapes.Config) -> list[str]:
     """Every answer a task can have (its chance level is 1 / len)."""
-    if task == "colour":
+    if task in ("colour", "same_colour"):
         return list(cfg.colours)
+    if task == "colour_code":
+        return sorted({CODE[c] for c in cfg.colours})
     if task == "shape":
         return list(cfg.shapes)
-    if task in ("has_colour", "has_shape", "many"):
+    if task in YES_NO:
         return ["yes", "no"]
     raise ValueError(f"unknown task {task!r}; known {list(TASKS)}")
 
@@ -82,10 +111,22 @@ def answer(task: str, objects: list[str], asked: str | None = None) -> str:
     """The exact answer from an image's object list: the verifier of every task."""
     colours = [o.split(" ")[0] for o in objects]
     kinds = [o.split(" ")[1] for o in objects]
-    if task == "colour":
+    if task in ("colour", "colour_code"):
         if len(objects) != 1:
-            raise ValueError(f"task 'colour' needs one object, got {objects}")
+            raise ValueError(f"task {task!r} needs one object, got {objects}")
+        return colours[0] if task == "colour" else CODE[colours[0]]
+    if task == "same_colour":
+        if len(set(colours)) != 1:
+            raise ValueError(f"task 'same_colour' needs objects of one colour, got {objects}")
         return colours[0]
+    if task == "one":
+        return "yes" if len(objects) == 1 else "no"
+    if task == "two":
+        return "yes" if len(objects) == 2 else "no"
+    if task == "warm":
+        if len(objects) != 1:
+            raise ValueError(f"task 'warm' needs one object, got {objects}")
+        return "yes" if colours[0] in WARM else "no"
     if task == "shape":
         if len(objects) != 1:
             raise ValueError(f"task 'shape' needs one object, got {objects}")
@@ -99,19 +140,34 @@ def answer(task: str, objects: list[str], asked: str | None = None) -> str:
     raise ValueError(f"unknown task {task!r}; known {list(TASKS)}")
 
 
-def _classes(cfg: shapes.Config, task: str, rng: random.Random) -> tuple[list[str], str | None]:
-    """The classes of one image and the asked word, balanced yes / no where the task has it."""
+def _classes(cfg: shapes.Config, task: str, rng: random.Random, yes: bool
+             ) -> tuple[list[str], str | None]:
+    """The classes of one image and the asked word; `yes`: the answer side of a yes/no task."""
     classes = cfg.classes
-    if task in ("colour", "shape"):
+    hi = min(cfg.max_objects, cfg.grid ** 2)
+    if task in ("colour", "colour_code", "shape"):
         return [rng.choice(classes)], None
+    if task == "warm":
+        warm = [c for c in classes if c.split(" ")[0] in WARM]
+        cold = [c for c in classes if c.split(" ")[0] not in WARM]
+        return [rng.choice(warm if yes else cold)], None
     if task == "many":
-        hi = min(cfg.max_objects, cfg.grid ** 2)
-        n = rng.randint(MANY_AT, hi) if rng.random() < 0.5 else rng.randint(1, MANY_AT - 1)
+        n = rng.randint(MANY_AT, hi) if yes else rng.randint(1, MANY_AT - 1)
         return rng.sample(classes, n), None
+    if task == "one":
+        n = 1 if yes else rng.randint(2, hi)
+        return rng.sample(classes, n), None
+    if task == "two":
+        n = 2 if yes else rng.choice([k for k in range(1, hi + 1) if k != 2])
+        return rng.sample(classes, n), None
+    if task == "same_colour":
+        colour = rng.choice(list(cfg.colours))
+        n = rng.randint(2, min(hi, len(cfg.shapes)))
+        return [f"{colour} {s}" for s in rng.sample(list(cfg.shapes), n)], None
     words = list(cfg.colours) if task == "has_colour" else list(cfg.shapes)
     pos = 0 if task == "has_colour" else 1
     asked = rng.choice(words)
-    want = rng.random() < 0.5
+    want = yes
     pool = [c for c in classes if c.split(" ")[pos] != asked]      # images without it
     for _ in range(100):
         n = rng.randint(cfg.min_objects, cfg.max_objects)
@@ -124,11 +180,13 @@ def _classes(cfg: shapes.Config, task: str, rng: random.Random) -> tuple[list[st
     raise ValueError(f"task {task!r}: cannot draw an image without {asked!r}")
 
 
-def sample(cfg: shapes.Config, task: str, rng: random.Random) -> dict[str, Any]:
-    """One image of `task` with its query and exact answer."""
+def sample(cfg: shapes.Config, task: str, rng: random.Random, yes: bool = True
+           ) -> dict[str, Any]:
+    """One image of `task` with its query and exact answer (`yes`: which answer a yes/no task
+    gets)."""
     import numpy as np
 
-    objects, asked = _classes(cfg, task, rng)
+    objects, asked = _classes(cfg, task, rng, yes)
     cells = sorted(rng.sample(range(cfg.grid ** 2), len(objects)))
     cell_px = cfg.image_size // cfg.grid
     sizes, centres = [], []
@@ -158,7 +216,7 @@ def generate(cfg: shapes.Config, task: str, n: int, seed: int, split: str,
         tries += 1
         if tries > 3 * n + 100:
             raise ValueError(f"{task}: only {len(rows)} of {n} distinct images for {split!r}")
-        s = sample(cfg, task, rng)
+        s = sample(cfg, task, rng, yes=len(rows) % 2 == 0)   # yes/no tasks: exactly balanced
         sha = pixel_sha(s["pixels"])
         if sha in exclude:
             continue
@@ -182,7 +240,7 @@ def expectations(cfg: shapes.Config | None, task: str | None = None,
         rules["task"] = {"values": [task]}
         if cfg is not None:
             rules["target"] = {"values": answer_words(task, cfg)}
-            if task in ("has_colour", "has_shape", "many"):
+            if task in YES_NO:
                 rules["target"]["max_imbalance"] = 3.0
     if split is not None:
         rules["split"] = {"values": [split]}
