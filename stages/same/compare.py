@@ -173,12 +173,11 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
 
 
 def headline(metrics: dict[str, float]) -> dict[str, float]:
-    """DVC metrics: verdict counts, the gate, and final avg / BWT of LoRA, MoE-LoRA and SAME."""
+    """DVC metrics: verdict counts, the gate, LoRA's BWT and SAME's final average."""
     out = stats.verdict_counts(metrics)
-    out["gate_forgetting"] = metrics.get("gate_forgetting", math.nan)
-    for arm in ("lora", "moe_lora", "same"):
-        out[f"{arm}_avg"] = metrics.get(f"{arm}/avg_mean", math.nan)
-        out[f"{arm}_bwt"] = metrics.get(f"{arm}/bwt_mean", math.nan)
+    out["gate"] = metrics.get("gate_forgetting", math.nan)
+    out["lora_bwt"] = metrics.get("lora/bwt_mean", math.nan)
+    out["same_avg"] = metrics.get("same/avg_mean", math.nan)
     return out
 
 

@@ -79,7 +79,6 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
 
 
 def headline(metrics: dict[str, float]) -> dict[str, float]:
-    """DVC metrics: tasks and rows (per-task majority rates in details/tasks.json)."""
+    """DVC metrics: tasks and test rows (per task and split in details/tasks.json)."""
     return {"tasks": metrics["tasks"],
-            "train_rows": sum(v for k, v in metrics.items() if k.endswith("/train_rows")),
             "test_rows": sum(v for k, v in metrics.items() if k.endswith("/test_rows"))}
