@@ -278,7 +278,7 @@ class History:
             x = seen[key].reshape(-1, seen[key].shape[-1])
             if centre:
                 x = x - x.mean(0, keepdim=True)
-            s = (x.T @ x).double()
+            s = (x.T @ x).double().cpu()
             self.pending[key] = s if self.pending[key] is None else self.pending[key] + s
             self.pending_n[key] += x.shape[0]
 
@@ -300,17 +300,19 @@ def apply_gradients(layer: MoELoRAMLP, hist: History, method: Method) -> None:
     if ad.spectral_router and "x" in hist.basis and layer.router.grad is not None:
         v, sigma, k = hist.basis["x"]
         if k > 0:
+            g = layer.router.grad
             scale = (torch.zeros(k) if method.router_mode == "project"
                      else router_scale(sigma[:k], method.router_scaling_factor,
                                        method.smooth_window))
-            layer.router.grad = spectral_router_grad(layer.router.grad, v[:, :k], scale)
+            layer.router.grad = spectral_router_grad(g, v[:, :k].to(g), scale.to(g))
     if ad.curvature:
         for name in MoELoRAMLP.PROJ:
             key = "inter" if name == "down" else "x"
             a = getattr(layer, f"A_{name}")
             if key in hist.basis and a.grad is not None:
                 v, sigma, k = hist.basis[key]
-                a.grad = curvature_precondition(a.grad, v[:, :k], sigma[:k], method.mu)
+                a.grad = curvature_precondition(a.grad, v[:, :k].to(a.grad),
+                                                sigma[:k].to(a.grad), method.mu)
 
 
 class Freezer:
@@ -333,8 +335,8 @@ class Freezer:
         """Update the EMAs from one batch; returns the frozen set (bool, E)."""
         if self.done:
             return self.frozen
-        w = seen["w"].reshape(-1, self.e).float()
-        norms = seen["x"].reshape(w.shape[0], -1).float().pow(2).sum(-1)
+        w = seen["w"].reshape(-1, self.e).float().cpu()
+        norms = seen["x"].reshape(w.shape[0], -1).float().pow(2).sum(-1).cpu()
         u, f = w.mean(0), (w * norms[:, None]).mean(0)
         b = self.method.ema
         self.usage = u if self.steps == 0 else b * self.usage + (1 - b) * u

@@ -91,6 +91,8 @@ class Config(BaseModel):
     max_test_rows: int | None = Field(None, ge=1, description="score at most this many rows")
     num_threads: int = Field(0, ge=0, le=256, description="torch threads (workers = 1); 0 = all "
                                                          "cores")
+    cache_features: bool = Field(True, description="compute the frozen visual tokens once per "
+                                 "image (False: per batch, for a real VLM at gpu)")
     workers: int = Field(1, ge=1, le=64, description="processes over the (seed, order) runs, "
                                                      "one torch thread each")
 
@@ -113,13 +115,22 @@ class Config(BaseModel):
 # --- data: prompts, answers, image features --------------------------------------------------
 
 class TaskData:
-    """One task split on one checkpoint: prompt ids (N, L), answer ids (N,), features (N, P, d)."""
+    """One task split on one checkpoint: prompt ids (N, L), answer ids (N,) and the projected
+    visual tokens (N, P, d), computed once (`feats`) or per batch from `images` (a real VLM at
+    `gpu`: 576 x 4096 floats per image do not fit in memory for a whole split)."""
 
-    def __init__(self, ids: torch.Tensor, answers: torch.Tensor, feats: torch.Tensor):
+    def __init__(self, ids: torch.Tensor, answers: torch.Tensor, feats: torch.Tensor | None,
+                 images: list | None = None, vlm: Any = None):
         self.ids, self.answers, self.feats = ids, answers, feats
+        self.images, self.vlm = images, vlm
 
     def __len__(self) -> int:
         return int(self.ids.shape[0])
+
+    def features(self, idx: torch.Tensor) -> torch.Tensor:
+        if self.feats is not None:
+            return self.feats[idx]
+        return image_features(self.vlm, [self.images[int(i)] for i in idx])
 
 
 def read_split(folder: Any, task: str, split: str, image_size: int | None
@@ -185,9 +196,11 @@ def last_logits(vlm: Any, ids: torch.Tensor, feats: torch.Tensor) -> torch.Tenso
     `<image>` embeddings) done here from cached features, then the decoder."""
     m = vlm.model
     lm = m.model.language_model
+    ids = ids.to(m.device)
     emb = lm.embed_tokens(ids)
     image = ids == m.config.image_token_id
-    emb = emb.masked_scatter(image[..., None], feats.to(emb.dtype).reshape(-1, emb.shape[-1]))
+    emb = emb.masked_scatter(image[..., None],
+                             feats.to(emb.device, emb.dtype).reshape(-1, emb.shape[-1]))
     hidden = lm(inputs_embeds=emb).last_hidden_state[:, -1]
     return m.lm_head(hidden)
 
@@ -196,8 +209,9 @@ def last_logits(vlm: Any, ids: torch.Tensor, feats: torch.Tensor) -> torch.Tenso
 def accuracy(vlm: Any, data: TaskData, batch: int = 128) -> float:
     hits = 0
     for i in range(0, len(data), batch):
-        pred = last_logits(vlm, data.ids[i:i + batch], data.feats[i:i + batch]).argmax(-1)
-        hits += int((pred == data.answers[i:i + batch]).sum())
+        idx = torch.arange(i, min(i + batch, len(data)))
+        pred = last_logits(vlm, data.ids[idx], data.features(idx)).argmax(-1).cpu()
+        hits += int((pred == data.answers[idx]).sum())
     return hits / len(data)
 
 
@@ -208,7 +222,8 @@ def usage(vlm: Any, layers: list[same.MoELoRAMLP], data: TaskData, batch: int = 
     same.set_recording(layers, True)
     total = None
     for i in range(0, len(data), batch):
-        last_logits(vlm, data.ids[i:i + batch], data.feats[i:i + batch])
+        idx = torch.arange(i, min(i + batch, len(data)))
+        last_logits(vlm, data.ids[idx], data.features(idx))
         u = torch.tensor(same.routing_usage(layers)) * min(batch, len(data) - i)
         total = u if total is None else total + u
     same.set_recording(layers, False)
@@ -240,8 +255,8 @@ def train_task(vlm: Any, layers: list[same.MoELoRAMLP], data: TaskData, cfg: Con
     losses, frozen_steps = [], 0.0
     for _ in range(steps):
         idx = torch.randint(len(data), (cfg.batch_size,), generator=generator)
-        logits = last_logits(vlm, data.ids[idx], data.feats[idx])
-        loss = torch.nn.functional.cross_entropy(logits, data.answers[idx])
+        logits = last_logits(vlm, data.ids[idx], data.features(idx))
+        loss = torch.nn.functional.cross_entropy(logits, data.answers[idx].to(logits.device))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         keep: list[tuple[torch.nn.Parameter, torch.Tensor, torch.Tensor]] = []
@@ -279,6 +294,8 @@ def run_sequence(vlm: Any, arm: str, adapter: same.Adapter, order: list[str],
     """One arm over one task order: the accuracy matrix, usage, probe and adapter state."""
     lm = vlm.model.model.language_model
     layers = same.attach(lm, adapter, seed=1000 * seed + order_idx)
+    for layer in layers:
+        layer.to(vlm.model.device)
     try:
         params = same.trainable(layers)
         hist = ([same.History() for _ in layers]
@@ -354,7 +371,8 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         data[t] = {}
         for split, (df, images) in splits.items():
             ids, answers = encode(vlm, df, t)
-            data[t][split] = TaskData(ids, answers, image_features(vlm, images))
+            feats = image_features(vlm, images) if cfg.cache_features else None
+            data[t][split] = TaskData(ids, answers, feats, images, vlm)
     zero = {t: accuracy(vlm, data[t]["test"]) for t in order}
     results = []
     for arm, adapter in cfg.arms.items():
