@@ -21,10 +21,11 @@ LoRA):
 | `has_shape` | 1-4 objects | `is there a <shape> ?` | yes / no (shape anywhere) |
 
 `colour`, `many`, `same_colour`, `one` and `two` are the SAME pipeline's tasks: the frozen `vlm-shapes` checkpoints carry colour
-and object count in the last prompt position, and a rank-4 FFN adapter learns them in tens of
-steps. `colour_code` and `warm` (colour mapped to other answer words) stay at chance after 80
-steps, `shape`, `has_colour` and `has_shape` after 200, on that checkpoint
-(pipelines/same/README.md): they are kept for larger models. Same input, different answer
+and object count in the last prompt position, and an FFN adapter learns the colour tasks in tens
+of steps (the counting tasks only partly). On that checkpoint a rank-20 LoRA left `colour_code`
+and `warm` (colour mapped to other answer words) at chance after 80 steps, `shape` and
+`has_colour` after 200; `has_shape` was not measured (pipelines/same/README.md). They are kept
+for larger models. Same input, different answer
 (`many` / `one` / `two`) is what makes naive tuning forget.
 
 Queries are made of the tokenizer's own words: an unknown word would be `<unk>` for every task.
