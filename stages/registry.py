@@ -165,6 +165,13 @@ STAGES: dict[str, dict[str, str]] = {
         "decode": "stages.gift.decode",
         "compare": "stages.gift.compare",
     },
+    # SAME: MoE-LoRA continual instruction tuning of the frozen vlm-shapes checkpoints on five
+    # sequential shapes tasks: LoRA, MoE-LoRA, + spectral router, + curvature, + freezing.
+    "same": {
+        "tasks": "stages.same.data",
+        "train": "stages.same.train",
+        "compare": "stages.same.compare",
+    },
     # DDR: question-free exploration of per-patient SQLite databases (read-only, SELECT-only
     # guard) scored on hidden checklists; a tiny Llama explorer imitating the scripted
     # breadth-first one, against scripted breadth/depth/random/reactive reference arms.
@@ -242,6 +249,7 @@ REPORTS: dict[str, str] = {
     "ampd": "stages.ampd.compare:results_table",
     "maps": "stages.maps.compare:results_table",
     "gift": "stages.gift.compare:results_table",
+    "same": "stages.same.compare:results_table",
     "ddr": "stages.ddr.compare:results_table",
     "plugmem": "stages.plugmem.compare:results_table",
     "early_experience": "stages.early_experience.compare:results_table",
@@ -300,6 +308,10 @@ PAPERS: dict[str, dict[str, str]] = {
              "compares": "gaze-shift saliency attention boost with query rescaling vs greedy, a "
                          "VAF-like visual boost and the visual-only ablation (tiny VLM, CHAIR / "
                          "POPE)"},
+    "same": {"paper": "SAME, arXiv 2602.01990",
+             "compares": "stabilised MoE-LoRA (spectral router, curvature-scaled experts, "
+                         "adaptive freezing) vs LoRA and MoE-LoRA, five sequential tasks on "
+                         "the frozen tiny VLM (accuracy, BWT, router drift)"},
     "ampd": {"paper": "AMPD, arXiv 2602.14516",
              "compares": "local vs remote (incremental) prefill routing, reordering and a replica "
                          "ILP vs Dynamo-like, always-local and colocated serving (simulated)"},

@@ -113,6 +113,11 @@ INPUTS: dict[str, Callable[[], FrameSpec]] = {
     "vlm/rendered_text pages": _attr("stages.tasks.rendered_text", "expectations", None, "train"),
     "gift/captions (compare)": _attr("stages.gift.decode", "captions_spec"),
     "gift/pope (compare)": _attr("stages.gift.decode", "pope_spec"),
+    # same train.read_split: each task's splits; same compare: train's runs and matrix
+    "same/task split (train)": _attr("stages.tasks.shapes_tasks", "expectations", None, "many",
+                                     "train"),
+    "same/runs (compare)": _attr("stages.same.train", "runs_spec"),
+    "same/matrix (compare)": _attr("stages.same.train", "matrix_spec"),
 }
 
 # Modules reading through the loader with a spec built inside the reading function; their
@@ -244,6 +249,7 @@ def test_every_reading_module_is_covered():
                "stages/ampd/compare.py", "stages/maps/compare.py", "stages/maps/simulate.py",
                "stages/maps/workload.py", "stages/agents/trajectories.py",
                "stages/train/vlm.py", "stages/gift/compare.py",
+               "stages/same/train.py", "stages/same/compare.py",
                "stages/ddr/expert.py", "stages/ddr/explore.py", "stages/ddr/score.py",
                "stages/plugmem/train.py", "stages/plugmem/structure.py",
                "stages/plugmem/memory.py", "stages/plugmem/answer.py",
