@@ -113,6 +113,8 @@ INPUTS: dict[str, Callable[[], FrameSpec]] = {
     "vlm/rendered_text pages": _attr("stages.tasks.rendered_text", "expectations", None, "train"),
     "gift/captions (compare)": _attr("stages.gift.decode", "captions_spec"),
     "gift/pope (compare)": _attr("stages.gift.decode", "pope_spec"),
+    # bridgevlm train (train.load_split): the SCM image pairs
+    "bridgevlm/pairs (train)": _attr("stages.tasks.pendulum", "expectations", None, "train"),
 }
 
 # Modules reading through the loader with a spec built inside the reading function; their
@@ -243,7 +245,7 @@ def test_every_reading_module_is_covered():
                "stages/trace/policy.py", "stages/serving/workload.py",
                "stages/ampd/compare.py", "stages/maps/compare.py", "stages/maps/simulate.py",
                "stages/maps/workload.py", "stages/agents/trajectories.py",
-               "stages/train/vlm.py", "stages/gift/compare.py",
+               "stages/train/vlm.py", "stages/gift/compare.py", "stages/bridgevlm/train.py",
                "stages/ddr/expert.py", "stages/ddr/explore.py", "stages/ddr/score.py",
                "stages/plugmem/train.py", "stages/plugmem/structure.py",
                "stages/plugmem/memory.py", "stages/plugmem/answer.py",
