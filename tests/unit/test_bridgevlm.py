@@ -192,3 +192,18 @@ def test_bad_config_and_malformed_images_are_refused(tmp_path):
     assert err.value.rule == "readable png"
     with pytest.raises(ImageValidationError, match="image size"):
         decode_all([rows[0]["image_before"]], ["r0"], size=(48, 48), mode="RGB", source="t")
+
+
+def test_a_claim_resting_on_a_method_that_learned_nothing_is_not_tested():
+    seeds = [0, 1]
+    m = {"seed0/bridgevlm/intervention_acc": 0.27, "seed1/bridgevlm/intervention_acc": 0.30,
+         "seed0/prompt_level/intervention_acc": 0.50, "seed1/prompt_level/intervention_acc": 0.2,
+         "seed0/bridgevlm/struct_yes_rate": 1.0, "seed1/bridgevlm/struct_yes_rate": 0.0,
+         "seed0/prompt_level/struct_yes_rate": 0.5, "seed1/prompt_level/struct_yes_rate": 0.0}
+    # chance 0.25 + margin 0.05: 0.27 and 0.30 are both within it
+    assert compare.learned_nothing(m, "bridgevlm", "intervention_acc", seeds, 0.05)
+    assert not compare.learned_nothing(m, "bridgevlm", "intervention_acc", seeds, 0.04)
+    assert not compare.learned_nothing(m, "prompt_level", "intervention_acc", seeds, 0.05)
+    # structure: one answer to every question in every seed (all yes, then all no)
+    assert compare.learned_nothing(m, "bridgevlm", "structure_f1", seeds, 0.05)
+    assert not compare.learned_nothing(m, "prompt_level", "structure_f1", seeds, 0.05)
