@@ -172,6 +172,14 @@ STAGES: dict[str, dict[str, str]] = {
         "train": "stages.same.train",
         "compare": "stages.same.compare",
     },
+    # BridgeVLM: rendered (before, after) pairs of two SCMs -> the tiny VLM from scratch per arm
+    # (answer-only, prompt-level, Causal Tokens + RAMP + M3S and its ablations, a true-variable
+    # oracle) -> intervention / counterfactual accuracy and structure F1 by paired CI.
+    "bridgevlm": {
+        "data": "stages.tasks.pendulum",
+        "train": "stages.bridgevlm.train",
+        "compare": "stages.bridgevlm.compare",
+    },
     # DDR: question-free exploration of per-patient SQLite databases (read-only, SELECT-only
     # guard) scored on hidden checklists; a tiny Llama explorer imitating the scripted
     # breadth-first one, against scripted breadth/depth/random/reactive reference arms.
@@ -250,6 +258,7 @@ REPORTS: dict[str, str] = {
     "maps": "stages.maps.compare:results_table",
     "gift": "stages.gift.compare:results_table",
     "same": "stages.same.compare:results_table",
+    "bridgevlm": "stages.bridgevlm.compare:results_table",
     "ddr": "stages.ddr.compare:results_table",
     "plugmem": "stages.plugmem.compare:results_table",
     "early_experience": "stages.early_experience.compare:results_table",
@@ -312,6 +321,10 @@ PAPERS: dict[str, dict[str, str]] = {
              "compares": "stabilised MoE-LoRA (spectral router, curvature-scaled experts, "
                          "adaptive freezing) vs LoRA and MoE-LoRA, five sequential tasks on "
                          "the frozen tiny VLM (accuracy, BWT, router drift)"},
+    "bridgevlm": {"paper": "BridgeVLM, arXiv 2606.11745",
+                  "compares": "Causal Tokens from an induced soft DAG (RAMP, M3S) vs answer-only "
+                              "and prompt-level fine-tuning, three ablations and a true-variable "
+                              "oracle (tiny VLM, rendered SCM image pairs)"},
     "ampd": {"paper": "AMPD, arXiv 2602.14516",
              "compares": "local vs remote (incremental) prefill routing, reordering and a replica "
                          "ILP vs Dynamo-like, always-local and colocated serving (simulated)"},

@@ -32,6 +32,17 @@ AUDITED = {
     ("stages/racer/outcomes.py",
      'by = every.group_by("difficulty").agg(pl.col(f"{judge}_correct").mean().alias("a"),'):
         "iterated as by.sort(\"difficulty\") in the next statement",
+    ("stages/ampd/compare.py", 'sorted(r.group_by("load_index"), key=lambda kv: kv[0][0])'):
+        "the groups are sorted by key in the same expression",
+    ("stages/racer/compare.py", 'frame.group_by(["method", "budget", "split"])'):
+        "each group writes its own metric keys; the details JSON is written with sorted keys",
+    ("stages/same/compare.py", 'agg = diag.group_by("arm", "seed", "order").agg(pl.col("acc").mean())'):
+        "read into a dict keyed by (arm, seed, order)",
+    ("stages/same/compare.py", 'final.group_by("arm", "task").agg(pl.col("acc").mean()).iter_rows()'):
+        "each group writes its own metric key; the details JSON is written with sorted keys",
+    ("stages/same/compare.py",
+     'm = matrix.filter(pl.col("arm") == arm).group_by("after", "position").agg('):
+        "each group fills its own cell of the plotted grid",
     ("stages/refine_prover/compare.py",
      'agg = part.group_by("problem").agg(pl.col(col).cast(pl.Float64).mean())'):
         "read into a dict keyed by problem; pairs are taken over sorted keys",
@@ -39,6 +50,17 @@ AUDITED = {
 
 _BLOCKS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.For, ast.AsyncFor, ast.While,
            ast.If, ast.With, ast.AsyncWith, ast.Try, ast.Match)
+
+
+def _header(block: ast.stmt) -> ast.AST | None:
+    """The expression a block statement evaluates before its body, if one can hold a group_by."""
+    if isinstance(block, (ast.For, ast.AsyncFor)):
+        return block.iter
+    if isinstance(block, (ast.If, ast.While)):
+        return block.test
+    if isinstance(block, (ast.With, ast.AsyncWith)) and block.items:
+        return block.items[0].context_expr
+    return None
 
 
 def unordered_group_bys(source: str) -> list[tuple[int, str]]:
@@ -55,8 +77,12 @@ def unordered_group_bys(source: str) -> list[tuple[int, str]]:
                         lines[last][:node.end_col_offset]])
 
     for stmt in ast.walk(ast.parse(source)):
-        if not isinstance(stmt, ast.stmt) or isinstance(stmt, _BLOCKS):
-            continue  # a block's own statements are visited one by one
+        if not isinstance(stmt, ast.stmt):
+            continue
+        if isinstance(stmt, _BLOCKS):  # its body's statements are visited one by one; here
+            stmt = _header(stmt)       # only what its header evaluates (a for's iterable, ...)
+            if stmt is None:
+                continue
         calls = [n for n in ast.walk(stmt) if isinstance(n, ast.Call)
                  and isinstance(n.func, ast.Attribute) and n.func.attr == "group_by"
                  and not any(k.arg == "maintain_order" for k in n.keywords)]
@@ -76,6 +102,8 @@ def test_the_check_flags_an_unordered_group_by_and_accepts_ordered_ones():
     assert unordered_group_bys(bad) == [(1, bad.strip())]
     nested = 'def f(df):\n    if True:\n        return df.group_by("a").len()\n'
     assert [line for line, _ in unordered_group_bys(nested)] == [3]
+    loop = 'for k, v in df.group_by("a").agg(pl.col("x").sum()).iter_rows():\n    out[k] = v\n'
+    assert unordered_group_bys(loop) == [(1, 'df.group_by("a").agg(pl.col("x").sum()).iter_rows()')]
     for good in ('out = df.group_by("seed", maintain_order=True).agg(pl.col("x").sum())\n',
                  'out = df.group_by("seed").agg(pl.col("x").sum()).sort("seed")\n',
                  'out = (df.group_by("seed")\n       .agg(pl.col("x").sum())\n       .sort("seed"))\n'):

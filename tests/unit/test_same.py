@@ -219,3 +219,15 @@ def test_train_config_rejects_orders_that_are_not_permutations():
         Config(orders=[["colour", "shape"], ["colour", "many"]])
     with pytest.raises(ValidationError, match="unknown tasks"):
         Config(orders=[["colour", "shapes"]])
+
+
+def test_headline_counts_the_claims_not_the_gate():
+    from stages.core.stats import VERDICTS
+    from stages.same.compare import headline
+
+    code = {name: k for k, name in VERDICTS.items()}
+    m = {"gate/lora_bwt/verdict": float(code["reproduced"]), "gate_forgetting": 1.0,
+         "claim/a/verdict": float(code["inconclusive"]),
+         "claim/b/verdict": float(code["reproduced"])}
+    out = headline(m)
+    assert out["reproduced"] == 1.0 and out["inconclusive"] == 1.0 and out["gate"] == 1.0

@@ -118,6 +118,8 @@ INPUTS: dict[str, Callable[[], FrameSpec]] = {
                                      "train"),
     "same/runs (compare)": _attr("stages.same.train", "runs_spec"),
     "same/matrix (compare)": _attr("stages.same.train", "matrix_spec"),
+    # bridgevlm train (train.load_split): the SCM image pairs
+    "bridgevlm/pairs (train)": _attr("stages.tasks.pendulum", "expectations", None, "train"),
 }
 
 # Modules reading through the loader with a spec built inside the reading function; their
@@ -248,7 +250,7 @@ def test_every_reading_module_is_covered():
                "stages/trace/policy.py", "stages/serving/workload.py",
                "stages/ampd/compare.py", "stages/maps/compare.py", "stages/maps/simulate.py",
                "stages/maps/workload.py", "stages/agents/trajectories.py",
-               "stages/train/vlm.py", "stages/gift/compare.py",
+               "stages/train/vlm.py", "stages/gift/compare.py", "stages/bridgevlm/train.py",
                "stages/same/train.py", "stages/same/compare.py",
                "stages/ddr/expert.py", "stages/ddr/explore.py", "stages/ddr/score.py",
                "stages/plugmem/train.py", "stages/plugmem/structure.py",

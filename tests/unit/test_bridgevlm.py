@@ -1,0 +1,209 @@
+"""BridgeVLM's math on hand-made values (stages/bridgevlm/causal.py), the Pendulum SCM's ground
+truth (stages/tasks/pendulum.py), the prompt layout the decoder reads, and bad inputs refused."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import polars as pl
+import pytest
+import torch
+
+from stages.bridgevlm import causal, compare
+from stages.bridgevlm import model as bmodel
+from stages.tasks import pendulum
+
+
+# --- NOTEARS acyclicity ----------------------------------------------------------------------
+
+def test_acyclicity_is_zero_on_dags_and_positive_on_a_planted_cycle():
+    for scm in pendulum.SCMS:                                   # both true graphs
+        a = torch.tensor(pendulum.adjacency(scm), dtype=torch.float64)
+        assert abs(float(causal.acyclicity(a))) < 1e-12
+    soft_dag = torch.tensor([[0, .9, .3], [0, 0, .7], [0, 0, 0]], dtype=torch.float64)
+    assert abs(float(causal.acyclicity(soft_dag))) < 1e-12     # upper triangular: nilpotent
+    # 2-cycle with weights 1: A o A = [[0,1],[1,0]], exp = [[cosh 1, sinh 1], ...]: tr - 2
+    cycle = torch.tensor([[0.0, 1.0], [1.0, 0.0]], dtype=torch.float64)
+    assert float(causal.acyclicity(cycle)) == pytest.approx(2 * math.cosh(1) - 2, abs=1e-12)
+    planted = torch.tensor(pendulum.adjacency("pendulum"), dtype=torch.float64)
+    planted[3, 0] = 0.5                                        # angle -> shadow_pos -> angle
+    assert float(causal.acyclicity(planted)) > 0.01
+
+
+def test_edge_matrix_is_the_low_rank_sigmoid_with_an_empty_diagonal():
+    z = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    p = torch.tensor([[2.0, 0.0]])             # rank 1: P z_0 = 2, P z_1 = 0
+    r = torch.tensor([[0.0, 3.0]])             # R z_0 = 0, R z_1 = 3
+    a = causal.edge_matrix(z, p, r, tau=1.0)
+    # A_01 = sigmoid(2 * 3 / (1 * sqrt 1)) = sigmoid(6); A_10 = sigmoid(0 * 0) = 0.5
+    assert float(a[0, 1]) == pytest.approx(1 / (1 + math.exp(-6)))
+    assert float(a[1, 0]) == pytest.approx(0.5)
+    assert float(a[0, 0]) == 0 and float(a[1, 1]) == 0
+
+
+def test_ramp_messages_follow_edges_down_and_up():
+    a = torch.tensor([[0.0, 1.0], [0.0, 0.0]])          # 0 -> 1
+    h = torch.tensor([[1.0, 0.0], [0.0, 2.0]])
+    eye = torch.eye(2)
+    dn, up = causal.ramp_messages(a, h, eye, 2 * eye)
+    assert torch.equal(dn, torch.tensor([[0.0, 0.0], [1.0, 0.0]]))   # node 1 hears its parent
+    assert torch.equal(up, torch.tensor([[0.0, 4.0], [0.0, 0.0]]))   # node 0 hears its child
+
+
+# --- alignment and structure F1 --------------------------------------------------------------
+
+def test_hungarian_alignment_and_permuted_edges_on_a_hand_case():
+    # score[node, variable]: node 2 is variable 0, node 0 variable 1, node 1 variable 2
+    score = np.array([[0.1, 0.9, 0.2], [0.3, 0.2, 0.8], [0.7, 0.6, 0.1]])
+    perm = causal.align_nodes(score)
+    assert perm == [2, 0, 1]
+    nodes = np.zeros((3, 3))
+    nodes[2, 0] = 1                                    # node 2 -> node 0 = variable 0 -> 1
+    assert causal.permute_edges(nodes, perm)[0, 1] == 1
+    assert causal.permute_edges(nodes, perm).sum() == 1
+    # a greedy row-by-row pick would fail here: both nodes prefer variable 0
+    assert causal.align_nodes(np.array([[0.9, 0.8], [0.85, 0.1]])) == [1, 0]
+    with pytest.raises(ValueError, match="cannot cover"):
+        causal.align_nodes(np.ones((2, 3)))
+
+
+def test_structure_f1_hard_and_soft_on_hand_cases():
+    truth = np.array([[0, 1, 1], [0, 0, 0], [0, 0, 0]])
+    hard = np.array([[0, 0.7, 0.2], [0.6, 0, 0], [0, 0, 0.9]])   # diagonal ignored
+    # hard: TP 1 (0->1), FP 1 (1->0), FN 1 (0->2): F1 = 2 / (2 + 1 + 1) = 0.5
+    assert causal.structure_f1(hard, truth, hard=True) == pytest.approx(0.5)
+    # soft: TP = 0.7 + 0.2 = 0.9, FP = 0.6, FN = 0.3 + 0.8 = 1.1: 1.8 / (1.8 + 0.6 + 1.1)
+    assert causal.structure_f1(hard, truth, hard=False) == pytest.approx(1.8 / 3.5)
+    assert causal.structure_f1(truth, truth, hard=True) == 1.0
+    assert causal.structure_f1(np.zeros((3, 3)), np.zeros((3, 3)), hard=True) == 1.0
+    # the memorised reference of compare: Pendulum's graph read as relay's shares one edge
+    # (light -> shadow_pos) of 4 predicted and 3 true: F1 = 2 / (2 + 3 + 2)
+    assert compare.memorised_f1() == pytest.approx(2 / 7)
+
+
+def test_info_nce_prefers_the_aligned_descriptions_and_ramp_weight():
+    desc = torch.eye(3)
+    aligned = causal.info_nce(torch.eye(3)[None] * 5, desc, temperature=0.1)
+    shuffled = causal.info_nce(torch.eye(3)[[1, 2, 0]][None] * 5, desc, temperature=0.1)
+    assert float(aligned) < 1e-3 < float(shuffled)
+    assert causal.ramp_weight(0, 100, 0.1, 0.5) == 0.0
+    assert causal.ramp_weight(25, 100, 0.1, 0.5) == pytest.approx(0.05)
+    assert causal.ramp_weight(90, 100, 0.1, 0.5) == pytest.approx(0.1)
+    assert causal.ramp_weight(0, 100, 0.1, 0.0) == pytest.approx(0.1)
+
+
+def test_causal_module_token_counts_per_ablation():
+    spec = causal.CausalSpec()
+    v = torch.randn(2, 4, 16)
+    full = causal.CausalModule(16, spec, 4, 4)
+    with torch.no_grad():
+        out = full(v, v)
+    assert out["tokens"].shape == (2, spec.nodes + spec.graph_queries, 16)
+    assert out["a"].shape == (2, 4, 4) and float(out["a"].diagonal(dim1=1, dim2=2).abs().sum()) == 0
+    assert causal.CausalModule(16, spec, 4, 4, node_tokens=False)(v, v)["tokens"].shape[1] == 2
+    no_graph = causal.CausalModule(16, spec, 4, 4, graph_tokens=False)(v, v)
+    assert no_graph["tokens"].shape[1] == 4 and "graph" not in no_graph
+    ones = causal.CausalModule(16, spec, 4, 4, dag=False)(v, v)["a"]
+    assert torch.equal(ones[0], 1 - torch.eye(4))
+    with pytest.raises(ValueError, match="node tokens, graph tokens"):
+        causal.CausalModule(16, spec, 4, 4, node_tokens=False, graph_tokens=False)
+
+
+# --- the SCMs and the prompts ----------------------------------------------------------------
+
+def test_scm_mechanisms_interventions_and_descendants():
+    # pendulum: shadow_len = (angle + light) // 2, shadow_pos = (angle - light + 3) // 2
+    assert pendulum.propagate("pendulum", [3, 1, 0, 0]) == [3, 1, 2, 2]
+    assert pendulum.propagate("pendulum", [3, 1, 0, 0], {0: 0}) == [0, 1, 0, 1]
+    assert pendulum.propagate("pendulum", [3, 1, 2, 2], {2: 0}) == [3, 1, 0, 2]  # leaf: alone
+    # relay: angle -> light -> shadow_pos -> shadow_len
+    assert pendulum.propagate("relay", [2, 0, 0, 0]) == [2, 3, 2, 0]
+    assert pendulum.propagate("relay", [2, 3, 2, 0], {1: 0}) == [2, 0, 1, 3]
+    assert bmodel.descendants("relay", 1) == [3, 2]
+    assert bmodel.descendants("pendulum", 0) == [2, 3]
+    assert bmodel.descendants("pendulum", 3) == []
+
+
+def test_generated_rows_verify_and_render_to_the_configured_size():
+    cfg = pendulum.TaskConfig()
+    splits = pendulum.generate_splits(cfg, {"test": 6, "val": 4, "train": 8}, seed=3)
+    again = pendulum.generate_splits(cfg, {"test": 6, "val": 4, "train": 8}, seed=3)
+    assert [r["pair_sha"] for r in splits["train"]] == [r["pair_sha"] for r in again["train"]]
+    shas = [r["pair_sha"] for rows in splits.values() for r in rows]
+    assert len(set(shas)) == len(shas)                          # pixel-disjoint splits
+    df = pl.DataFrame(splits["train"], schema=pendulum.SCHEMA)
+    pendulum.check_ground_truth(df, "train")
+    assert set(df["scm"]) == {"pendulum", "relay"} and df["struct_label"].sum() == 4
+    bad = df.with_columns(pl.Series("after", [[0, 0, 0, 0]] * df.height))
+    with pytest.raises(ValueError, match="scm ground truth"):
+        pendulum.check_ground_truth(bad, "train")
+    from stages.tasks.images import decode_image
+    img = decode_image(splits["test"][0]["image_before"], size=(32, 32), mode="RGB", where="x")
+    assert img.shape == (32, 32, 3)
+
+
+def test_prompt_layout_and_prompt_level_target():
+    from stages.models.vlm import IMAGE_TOKEN, build_tokenizer
+
+    row = pendulum.generate_splits(pendulum.TaskConfig(), {"test": 1, "val": 1, "train": 2},
+                                   seed=0)["train"][0]
+    texts = [bmodel.BEFORE, bmodel.AFTER, bmodel.TAIL, "0 1 2 3"] + \
+        [t for k in bmodel.QUESTION_KINDS for t in (bmodel.query_of(row, k),
+                                                    bmodel.trace_target(row, k))]
+    tok = build_tokenizer("word", texts)
+    ids, kinds = bmodel.encode_prompt(tok, row["intervention_query"], 4, 6)
+    assert kinds.count(1) == 8 and kinds.count(2) == 6
+    image_id = tok.convert_tokens_to_ids(IMAGE_TOKEN)
+    assert [i for i, k in zip(ids, kinds) if k == 1] == [image_id] * 8
+    first_causal = kinds.index(2)
+    assert max(i for i, k in enumerate(kinds) if k == 1) < first_causal   # after the visuals
+    assert tok.decode(ids[-2:]) == "answer :"
+    _, oracle = bmodel.encode_prompt(tok, row["intervention_query"], 4, 0,
+                                     (row["before"], row["after"]))
+    assert 1 not in oracle and 2 not in oracle
+    target = bmodel.trace_target(row, "intervention")
+    assert target.startswith("graph : angle > shadow_len")
+    assert bmodel.parse_answer(target) == row["intervention_answer"]
+    assert bmodel.panel_of_patch(2) == [0, 1, 2, 3]
+    assert bmodel.panel_of_patch(4)[:4] == [0, 0, 1, 1] and bmodel.panel_of_patch(4)[-1] == 3
+
+
+def test_bad_config_and_malformed_images_are_refused(tmp_path):
+    from stages.bridgevlm import train
+    from stages.tasks.images import ImageValidationError
+
+    with pytest.raises(ValueError, match="node_tokens or graph_tokens"):
+        train.Arm(causal=True, node_tokens=False, graph_tokens=False)
+    with pytest.raises(ValueError, match="edge_label_scms"):
+        train.Config(arms={"a": {}}, edge_label_scms=["water"])
+    with pytest.raises(ValueError, match="causal.nodes"):
+        train.Config(arms={"a": {}}, causal={"nodes": 3})
+    with pytest.raises(ValueError, match="scms"):
+        pendulum.TaskConfig(scms=["pendulum", "water"])
+    rows = pendulum.generate_splits(pendulum.TaskConfig(), {"test": 2, "val": 2, "train": 2},
+                                    seed=0)["test"]
+    rows[1]["image_after"] = rows[1]["image_after"][:40]            # truncated PNG
+    # what train.load_split runs on each image column after the table's GE suite
+    from stages.tasks.images import decode_all
+    with pytest.raises(ImageValidationError, match="pendulum-test-000001") as err:
+        decode_all([r["image_after"] for r in rows], [r["id"] for r in rows], size=(32, 32),
+                   mode="RGB", source="test.parquet")
+    assert err.value.rule == "readable png"
+    with pytest.raises(ImageValidationError, match="image size"):
+        decode_all([rows[0]["image_before"]], ["r0"], size=(48, 48), mode="RGB", source="t")
+
+
+def test_a_claim_resting_on_a_method_that_learned_nothing_is_not_tested():
+    seeds = [0, 1]
+    m = {"seed0/bridgevlm/intervention_acc": 0.27, "seed1/bridgevlm/intervention_acc": 0.30,
+         "seed0/prompt_level/intervention_acc": 0.50, "seed1/prompt_level/intervention_acc": 0.2,
+         "seed0/bridgevlm/struct_yes_rate": 1.0, "seed1/bridgevlm/struct_yes_rate": 0.0,
+         "seed0/prompt_level/struct_yes_rate": 0.5, "seed1/prompt_level/struct_yes_rate": 0.0}
+    # chance 0.25 + margin 0.05: 0.27 and 0.30 are both within it
+    assert compare.learned_nothing(m, "bridgevlm", "intervention_acc", seeds, 0.05)
+    assert not compare.learned_nothing(m, "bridgevlm", "intervention_acc", seeds, 0.04)
+    assert not compare.learned_nothing(m, "prompt_level", "intervention_acc", seeds, 0.05)
+    # structure: one answer to every question in every seed (all yes, then all no)
+    assert compare.learned_nothing(m, "bridgevlm", "structure_f1", seeds, 0.05)
+    assert not compare.learned_nothing(m, "prompt_level", "structure_f1", seeds, 0.05)
