@@ -4,9 +4,10 @@ It finds the repo, loads and validates the params of every stage of the pipeline
 anywhere fails before any compute), runs the stage inside an MLflow child run, and writes the
 returned metrics atomically to `<paths.metrics>/<stage>.json` for DVC.
 
-Run as a program it first re-executes itself with PYTHONHASHSEED=0 (the same bytes whatever seed
-the caller had), then ties its life to the process that started it (a killed `dvc repro` takes
-its stage with it): stages/core/proc.py.
+Run as a program it first re-executes itself with PYTHONHASHSEED=0 and, on x86-64, torch's, MKL's
+and oneDNN's AVX2 kernels (the same bytes whatever seed the caller had and whichever vector
+instructions the CPU has beyond AVX2), then ties its life to the process that started it (a
+killed `dvc repro` takes its stage with it): stages/core/proc.py.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 if __name__ == "__main__":  # before any heavy import: the first interpreter may be replaced
     from stages.core import proc
 
-    proc.fixed_hash_seed()
+    proc.fixed_process_env()
     proc.die_with_parent()
 
 import argparse

@@ -55,7 +55,9 @@ PRELOAD = ("numpy", "polars", "pydantic", "yaml", "dvc.repo", "torch", "safetens
            "transformers.models.auto.tokenization_auto")
 # What decides which code a fresh interpreter imports, fixed when the server started: a client
 # whose values differ (a Prefect workspace's PYTHONPATH, say) runs its stage itself.
-SAME_ENV = ("PYTHONPATH", "PYTHONHASHSEED", "PYTHONHOME", "PYTHONSAFEPATH", "VIRTUAL_ENV")
+# So are the CPU kernels the libraries pick (read once, when torch and MKL load): stages/core/proc.py.
+SAME_ENV = ("PYTHONPATH", "PYTHONHASHSEED", "PYTHONHOME", "PYTHONSAFEPATH", "VIRTUAL_ENV",
+            "PAPERLINE_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_CBWR", "DNNL_MAX_CPU_ISA")
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 _HEADER = struct.Struct("!I")
 
@@ -256,11 +258,11 @@ def running(root: Path, env: dict[str, str]) -> Iterator[dict[str, str]]:
     if env.get(ENV, "").lower() in ("off", "0", "false") or not hasattr(socket, "send_fds"):
         yield {k: v for k, v in env.items() if k != ENV}
         return
-    from stages.core.proc import HASH_SEED, kill_with_parent
+    from stages.core.proc import fixed_env, kill_with_parent
 
     folder = tempfile.mkdtemp(prefix="paperline-fs-")  # 0700: only this user connects
     path = os.path.join(folder, "sock")
-    server_env = dict(env, PYTHONHASHSEED=HASH_SEED)  # the seed every stage runs under
+    server_env = dict(env, **fixed_env(env))  # what every stage runs under
     server_env.pop(ENV, None)
     proc = subprocess.Popen([sys.executable, "-m", "stages.core.forkserver", path],
                             cwd=root, env=server_env, stdin=subprocess.DEVNULL,
@@ -284,6 +286,6 @@ def running(root: Path, env: dict[str, str]) -> Iterator[dict[str, str]]:
 if __name__ == "__main__":
     from stages.core import proc as _proc
 
-    _proc.fixed_hash_seed()
+    _proc.fixed_process_env()
     _proc.die_with_parent()
     serve(sys.argv[1])

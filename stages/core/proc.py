@@ -15,8 +15,17 @@ with it: the orphan ran on, overwrote outputs that dvc had already recorded as c
 - `kill_with_parent()`: a `preexec_fn` for the `dvc` processes that flows/ start, so a killed
   `paperline repro` / `paperline run` / worker flow run takes its dvc (and, through the line above,
   the stage) with it.
-- `fixed_hash_seed()`: pickled sets and dict-of-set orders depend on `PYTHONHASHSEED`; a stage
-  re-executes itself with `PYTHONHASHSEED=0` so its bytes do not depend on the caller's seed.
+- `fixed_process_env()`: a stage re-executes itself under `fixed_env()`, so its bytes do not depend
+  on what the caller had set. Pickled sets and dict-of-set orders depend on `PYTHONHASHSEED` (-> 0).
+  Float results depend on the CPU's vector kernels: torch picks AVX-512 kernels where the CPU has
+  them and AVX2 ones elsewhere, and softmax, GELU and the like then round differently, so a model
+  trained on an AVX-512 machine (measured: AMD EPYC Zen 4) had other bytes, and after a few hundred
+  steps another train loss, than the same run under AVX2 kernels. On x86-64 CPUs with AVX2 the
+  kernels are pinned to AVX2 for torch (`ATEN_CPU_CAPABILITY`), MKL (`MKL_CBWR`, its conditional
+  numerical reproducibility branch) and oneDNN (`DNNL_MAX_CPU_ISA`): one set of kernels that
+  every x86-64 machine of the last decade runs. `PAPERLINE_CPU_ISA=native` leaves the choice to
+  the libraries (faster on some CPUs; the bytes are then this CPU's own). Not pinned: other
+  architectures (ARM has its own kernels) and GPUs (cuBLAS/cuDNN choose by device).
 - `pipeline_lock()`: `paperline repro` / `paperline run` of one pipeline take turns (an `flock` on
   `.paperline/locks/<pipeline>.lock`, released by the kernel when its holder dies) instead of
   failing halfway on DVC's "is busy, it is being blocked by" error.
@@ -43,6 +52,9 @@ PR_SET_PDEATHSIG = 1
 SHELLS = {"sh", "bash", "dash", "zsh", "ksh", "mksh", "ash", "busybox"}
 LOCKS = Path(".paperline") / "locks"
 HASH_SEED = "0"
+ISA_ENV = "PAPERLINE_CPU_ISA"  # "avx2" (the default) or "native"
+# the kernel variables of each library, pinned to its AVX2 code path
+AVX2_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "DNNL_MAX_CPU_ISA": "AVX2"}
 
 
 class OrphanedError(RuntimeError):
@@ -53,12 +65,34 @@ class OrphanedError(RuntimeError):
 # Hash seed
 
 
-def fixed_hash_seed() -> None:
-    """Re-execute this interpreter, same pid and arguments, with PYTHONHASHSEED=0 unless it runs
-    with it already. Call before any heavy import: the first interpreter is thrown away."""
-    if os.environ.get("PYTHONHASHSEED") == HASH_SEED:
+def _cpu_has_avx2(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    try:
+        with open(cpuinfo) as f:
+            return any(line.startswith("flags") and " avx2" in line for line in f)
+    except OSError:
+        return False
+
+
+def fixed_env(environ: dict[str, str] | os._Environ[str] | None = None) -> dict[str, str]:
+    """The variables every stage process runs under (see the module docstring): the hash seed,
+    and on an x86-64 CPU with AVX2 the AVX2 kernels unless `PAPERLINE_CPU_ISA=native`."""
+    environ = os.environ if environ is None else environ
+    isa = environ.get(ISA_ENV, "avx2").lower()
+    if isa not in ("avx2", "native"):
+        raise ValueError(f"{ISA_ENV}={environ[ISA_ENV]!r}: expected 'avx2' or 'native'")
+    fixed = {"PYTHONHASHSEED": HASH_SEED}
+    if isa == "avx2" and sys.platform.startswith("linux") and _cpu_has_avx2():
+        fixed.update(AVX2_KERNELS)
+    return fixed
+
+
+def fixed_process_env() -> None:
+    """Re-execute this interpreter, same pid and arguments, under `fixed_env()` unless it runs
+    under it already. Call before any heavy import: the first interpreter is thrown away."""
+    fixed = fixed_env()
+    if all(os.environ.get(k) == v for k, v in fixed.items()):
         return
-    os.environ["PYTHONHASHSEED"] = HASH_SEED
+    os.environ.update(fixed)
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])

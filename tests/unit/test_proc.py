@@ -118,7 +118,7 @@ def test_hash_seed_is_fixed_whatever_the_caller_had():
         import pickle, sys
         sys.path.insert(0, {str(REPO)!r})
         from stages.core import proc
-        proc.fixed_hash_seed()
+        proc.fixed_process_env()
         print(sys.flags.hash_randomization, pickle.dumps({{"a", "b", "c", "d", "e", "f"}}).hex())
     """)
     outs = set()
@@ -131,6 +131,48 @@ def test_hash_seed_is_fixed_whatever_the_caller_had():
         assert out.startswith("0 "), out
         outs.add(out)
     assert len(outs) == 1, outs
+
+
+ISA_SNIPPET = textwrap.dedent(f"""
+    import hashlib, os, sys
+    sys.path.insert(0, {str(REPO)!r})
+    from stages.core import proc
+    if os.environ.get("FIX") == "1":
+        proc.fixed_process_env()
+    import torch
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    x = torch.randn(64, 257)
+    out = torch.cat([torch.softmax(x, -1), torch.nn.functional.gelu(x)])
+    print(torch.backends.cpu.get_cpu_capability(), hashlib.md5(out.numpy().tobytes()).hexdigest())
+""")
+
+
+def _isa_run(**env: str) -> tuple[str, str]:
+    full = {k: v for k, v in os.environ.items()
+            if k not in ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "DNNL_MAX_CPU_ISA", proc.ISA_ENV)}
+    out = subprocess.run([sys.executable, "-c", ISA_SNIPPET], env=dict(full, **env),
+                         capture_output=True, text=True, check=True).stdout.split()
+    return out[0], out[1]
+
+
+@pytest.mark.skipif(not proc._cpu_has_avx2(), reason="the AVX2 pin applies to x86-64 CPUs with AVX2")
+def test_cpu_kernels_are_pinned_whatever_the_caller_had():
+    """Softmax and GELU round differently under torch's DEFAULT (scalar), AVX2 and AVX-512
+    kernels; a stage process computes with the AVX2 ones whatever its caller set."""
+    unpinned = {isa: _isa_run(ATEN_CPU_CAPABILITY=isa) for isa in ("default", "avx2")}
+    assert unpinned["default"][1] != unpinned["avx2"][1]  # the choice changes the bytes
+    pinned = {_isa_run(FIX="1", ATEN_CPU_CAPABILITY=isa) for isa in ("default", "avx512", "avx2")}
+    pinned.add(_isa_run(FIX="1"))
+    assert len(pinned) == 1 and next(iter(pinned))[0] == "AVX2", pinned
+    native = _isa_run(FIX="1", ATEN_CPU_CAPABILITY="default", **{proc.ISA_ENV: "native"})
+    assert native == ("DEFAULT", unpinned["default"][1])  # native: the caller's choice stands
+
+
+def test_cpu_isa_setting_is_checked():
+    with pytest.raises(ValueError, match="PAPERLINE_CPU_ISA='avx512'"):
+        proc.fixed_env({proc.ISA_ENV: "avx512"})
+    assert proc.fixed_env({proc.ISA_ENV: "native"}) == {"PYTHONHASHSEED": "0"}
 
 
 def test_stale_temporaries_of_dead_pids_only(tmp_path: Path):
