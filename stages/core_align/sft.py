@@ -28,6 +28,7 @@ branch, so every arm shares the optimiser, schedule, batches and seeds exactly.
 from __future__ import annotations
 
 import math
+import os
 import random
 import time
 from pathlib import Path
@@ -81,7 +82,10 @@ class Config(BaseModel):
                                                             "(the longest arith answer: ~16)")
     eval_batch_size: int = Field(64, ge=1, le=4096, description="prompts decoded together")
     log_every: int = Field(25, ge=1, description="log the losses every N steps")
-    num_threads: int = Field(0, ge=0, le=256, description="torch threads; 0 = all cores")
+    workers: int = Field(1, ge=1, le=64, description="seeds trained at once, each in its own "
+                         "process; results do not depend on it, only wall time")
+    num_threads: int = Field(0, ge=0, le=256, description="torch threads per worker; 0 = the "
+                                                          "cores split between the workers")
 
     @model_validator(mode="after")
     def _check(self) -> "Config":
@@ -298,12 +302,46 @@ def accuracy(rows: list[dict[str, Any]], modality: str) -> float:
 
 # --- the stage ------------------------------------------------------------------------------
 
-def run(cfg: Config, ctx: Any) -> dict[str, float]:
-    import polars as pl
+def seed_arms(cfg: Config, seed: int, model_dir: Path, train_df: Any, train_images: list[Any],
+              eval_df: Any, eval_images: list[Any], out: Path) -> dict[str, Any]:
+    """Every arm of one seed from `model_dir`: train, answer, save to `out/<arm>/seed<k>`.
+    Returns {"rows": answer rows, "metrics": {<arm>/<k>: v}, "logs": {arm: [(point, step)]}}."""
+    rows: list[dict[str, Any]] = []
+    metrics: dict[str, float] = {}
+    logs: dict[str, list[tuple[dict[str, float], int]]] = {}
+    pixels = None
+    for arm in ("base", *cfg.arms):
+        vlm = vlm_model.load_vlm(model_dir)
+        if pixels is None:
+            pixels = vlm_model.pixel_values(vlm.processor, train_images)
+        logs[arm] = []
+        m: dict[str, float] = {}
+        if arm != "base":
+            pairs = encode_pairs(vlm, train_df)
+            m = train_arm(cfg, arm, vlm, pairs, pixels, seed,
+                          lambda point, step, arm=arm: logs[arm].append((point, step)))
+            vlm_model.save_vlm(vlm, out / arm / f"seed{seed}")
+        got = answer_rows(vlm, eval_df, eval_images, arm, seed, cfg)
+        acc = {f"acc_{mod}": accuracy(got, mod) for mod in MODALITIES}
+        print(f"sft: seed {seed} {arm}: accuracy text {acc['acc_text']:.3f}, image "
+              f"{acc['acc_image']:.3f}", flush=True)
+        rows += got
+        metrics.update({f"{arm}/{k}": v for k, v in {**m, **acc}.items()})
+    return {"rows": rows, "metrics": metrics, "logs": logs}
 
+
+def _seed_job(job: tuple[Any, ...]) -> dict[str, Any]:
+    """One seed in a worker process (spawned: no forked torch or MLflow threads)."""
     from stages.models.base import set_threads
 
-    threads = set_threads(cfg.num_threads)
+    threads, cfg, *args = job
+    set_threads(threads)
+    return seed_arms(Config.model_validate(cfg), *args)
+
+
+def run(cfg: Config, ctx: Any) -> dict[str, float]:
+    from stages.models.base import set_threads
+
     models = ctx.path(cfg.models)
     missing = [s for s in cfg.seeds if not (models / f"seed{s}" / "config.json").is_file()]
     if missing:
@@ -314,48 +352,54 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     data_dir = ctx.path(cfg.data)
     train_df, train_images = load_split(data_dir, "train", cfg.kinds, size, cfg.max_train_rows)
     eval_df, eval_images = load_split(data_dir, cfg.split, cfg.kinds, size, cfg.max_eval_rows)
-    pixels = vlm_model.pixel_values(first.processor, train_images)
     chars = eval_df["chars_per_token"].to_list()
     metrics: dict[str, float] = {
         "train_pairs": float(train_df.height), "eval_items": float(eval_df.height),
         "chars_per_visual_token": sum(chars) / len(chars),
         "visual_tokens": float(eval_df["visual_tokens"][0]), "steps": float(cfg.steps),
         "batch_size": float(cfg.batch_size)}
+    workers = min(cfg.workers, len(cfg.seeds))
+    threads = cfg.num_threads or max(1, (os.cpu_count() or 1) // workers)
     print(f"{ctx.stage}: {train_df.height} train pairs, {eval_df.height} {cfg.split} items, "
           f"arms {cfg.arms}, seeds {cfg.seeds}, {cfg.steps} steps x {cfg.batch_size}, "
-          f"{threads} threads")
-    rows: list[dict[str, Any]] = []
+          f"{workers} worker(s) x {threads} thread(s)", flush=True)
     out, answers = ctx.path(cfg.out), ctx.path(cfg.answers)
-    registered: list[tuple[Path, str, int]] = []
     with io.atomic_path(out, is_dir=True) as tmp:
-        for seed in cfg.seeds:
-            for arm in ("base", *cfg.arms):
-                vlm = vlm_model.load_vlm(models / f"seed{seed}")
-                pairs = encode_pairs(vlm, train_df)
-                settings = {"arm": arm, "seed": seed, "steps": 0 if arm == "base" else cfg.steps,
-                            **({"core": cfg.core.model_dump()} if arm == "core_sft" else {})}
-                with ctx.method_run("sft", arm, seed, params=settings) as mr:
-                    m = ({} if arm == "base" else
-                         train_arm(cfg, arm, vlm, pairs, pixels, seed, mr.log_metrics))
-                    got = answer_rows(vlm, eval_df, eval_images, arm, seed, cfg)
-                    acc = {f"acc_{mod}": accuracy(got, mod) for mod in MODALITIES}
-                    mr.log_metrics({**acc, **{k: v for k, v in m.items() if math.isfinite(v)}})
-                rows += got
-                metrics.update({f"seed{seed}/{arm}/{k}": v for k, v in {**m, **acc}.items()})
-                print(f"{ctx.stage}: seed {seed} {arm}: accuracy text {acc['acc_text']:.3f}, "
-                      f"image {acc['acc_image']:.3f}")
-                if arm != "base":
-                    vlm_model.save_vlm(vlm, tmp / arm / f"seed{seed}")
-                    registered.append((out / arm / f"seed{seed}", arm, seed))
+        jobs = [(threads, cfg.model_dump(mode="json"), seed, models / f"seed{seed}", train_df,
+                 train_images, eval_df, eval_images, tmp) for seed in cfg.seeds]
+        if workers > 1:
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
+
+            with ProcessPoolExecutor(workers,
+                                     mp_context=multiprocessing.get_context("spawn")) as pool:
+                results = list(pool.map(_seed_job, jobs))
+        else:
+            set_threads(threads)
+            results = [seed_arms(cfg, *job[2:]) for job in jobs]
+    rows: list[dict[str, Any]] = []
+    for seed, result in zip(cfg.seeds, results):
+        rows += result["rows"]
+        metrics.update({f"seed{seed}/{k}": v for k, v in result["metrics"].items()})
+        for arm, logged in result["logs"].items():
+            settings = {"arm": arm, "seed": seed, "steps": 0 if arm == "base" else cfg.steps,
+                        **({"core": cfg.core.model_dump()} if arm == "core_sft" else {})}
+            with ctx.method_run("sft", arm, seed, params=settings) as mr:
+                for point, step in logged:
+                    mr.log_metrics(point, step)
+                mr.log_metrics({k.split("/", 1)[1]: v for k, v in result["metrics"].items()
+                                if k.startswith(f"{arm}/") and math.isfinite(v)})
     io.write_parquet(answers / "answers.parquet", answers_frame(rows))
     if cfg.register_as and ctx.tracker is not None:
-        for path, arm, seed in registered:
-            aliases = [f"{arm}-seed{seed}".replace("_", "-")]
-            if seed == cfg.seeds[0]:
-                aliases.append(arm.replace("_", "-"))
-            ctx.tracker.register_model(path, cfg.register_as, aliases,
-                                       tags={"paperline.method": arm, "paperline.seed": str(seed)},
-                                       artifact_path=f"model-{arm}-seed{seed}")
+        for seed in cfg.seeds:
+            for arm in cfg.arms:
+                aliases = [f"{arm}-seed{seed}".replace("_", "-")]
+                if seed == cfg.seeds[0]:
+                    aliases.append(arm.replace("_", "-"))
+                ctx.tracker.register_model(
+                    out / arm / f"seed{seed}", cfg.register_as, aliases,
+                    tags={"paperline.method": arm, "paperline.seed": str(seed)},
+                    artifact_path=f"model-{arm}-seed{seed}")
     return metrics
 
 
