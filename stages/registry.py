@@ -167,9 +167,11 @@ STAGES: dict[str, dict[str, str]] = {
     },
     # CoRe: the vlm-text checkpoints post-trained on rendered-text QA under text SFT, visual SFT
     # and visual SFT + step-wise matching to the model's own text-conditioned policy (a
-    # stop-gradient dynamic anchor); every arm answers from the text and from the page.
+    # stop-gradient dynamic anchor), then GRPO on the page without and with that anchor; every
+    # arm answers from the text and from the page.
     "core": {
         "sft": "stages.core_align.sft",
+        "grpo": "stages.core_align.grpo",
         "compare": "stages.core_align.compare",
     },
     # SAME: MoE-LoRA continual instruction tuning of the frozen vlm-shapes checkpoints on five
@@ -326,9 +328,9 @@ PAPERS: dict[str, dict[str, str]] = {
                          "VAF-like visual boost and the visual-only ablation (tiny VLM, CHAIR / "
                          "POPE)"},
     "core": {"paper": "CoRe, ICML 2026 poster 64509 (abstract only)",
-             "compares": "visual SFT + step-wise KL to the model's own text-conditioned policy "
-                         "(stop-gradient dynamic anchor) vs visual SFT and text SFT (tiny VLM, "
-                         "rendered text pages, gap recovery)"},
+             "compares": "visual SFT / GRPO + step-wise KL to the model's own text-conditioned "
+                         "policy (stop-gradient dynamic anchor) vs visual SFT / GRPO and text "
+                         "SFT (tiny VLM, rendered text pages, gap recovery)"},
     "same": {"paper": "SAME, arXiv 2602.01990",
              "compares": "stabilised MoE-LoRA (spectral router, curvature-scaled experts, "
                          "adaptive freezing) vs LoRA and MoE-LoRA, five sequential tasks on "

@@ -19,6 +19,7 @@ pytestmark = pytest.mark.slow
 
 P = Path("pipelines/core")
 ARMS = ("text_sft", "visual_sft", "core_sft")
+RL_ARMS = ("visual_grpo", "core_grpo")
 
 
 @pytest.fixture(scope="module")
@@ -67,15 +68,38 @@ def test_every_arm_trained_and_answers_the_same_items_from_text_and_page(core_re
     assert tower and all((text_model[k] == base0[k]).all() for k in tower)
 
 
+def test_grpo_arms_start_from_text_sft_and_answer_the_same_items(core_repo: Path):
+    from safetensors.torch import load_file
+
+    rl = pl.read_parquet(core_repo / P / "data/rl_answers/answers.parquet")
+    sft = pl.read_parquet(core_repo / P / "data/answers/answers.parquet")
+    assert set(rl["arm"]) == set(RL_ARMS) and set(rl["seed"]) == {0, 1}
+    key = ["seed", "item", "modality"]
+    assert rl.filter(pl.col("arm") == "core_grpo").select(key).sort(key).equals(
+        sft.filter(pl.col("arm") == "base").select(key).sort(key))
+    details = json.loads((core_repo / P / "details/grpo.json").read_text())
+    assert details["rounds"] == 2
+    for seed in (0, 1):
+        assert details[f"seed{seed}/core_grpo/rollouts"] == 2 * 2 * 2     # rounds x prompts x G
+        assert details[f"seed{seed}/core_grpo/first_anchor_kl"] >= 0
+        assert f"seed{seed}/visual_grpo/first_anchor_kl" not in details  # no anchor term
+        start = load_file(str(core_repo / P / "models/text_sft" / f"seed{seed}"
+                              / "model.safetensors"))
+        core = load_file(str(core_repo / P / "rl_models/core_grpo" / f"seed{seed}"
+                             / "model.safetensors"))
+        # the anchor KL gives a gradient even where every rollout's reward is equal
+        assert any(not (core[k] == start[k]).all() for k in start)
+
+
 def test_compare_claims_figure_readme_and_registry(core_repo: Path):
     head = json.loads((core_repo / P / "metrics/compare.json").read_text())
     cmp = json.loads((core_repo / P / "details/compare.json").read_text())
     assert cmp["seeds"] == 2 and cmp["items"] == 6 and cmp["chars_per_visual_token"] == 2.0
-    # two accuracy claims + gap recovery (the RL arms are not in the pipeline)
+    # three accuracy claims + gap recovery of CoRe-SFT and CoRe-RL
     verdicts = sum(head[k] for k in ("reproduced", "inconclusive", "contradicted"))
-    assert verdicts == 3
+    assert verdicts == 5
     assert cmp["claim/transfer_failure/pairs"] == 12               # 2 seeds x 6 items
-    assert "claim/core_grpo_vs_visual_grpo/verdict" not in cmp
+    assert cmp["claim/core_grpo_vs_visual_grpo/pairs"] == 12
     assert cmp["claim/gap_recovery_sft/paper_effect"] == 0.70
     assert (core_repo / P / "report/accuracy.png").stat().st_size > 1000
     assert paperline(core_repo, "report", "core").returncode == 0
@@ -83,7 +107,7 @@ def test_compare_claims_figure_readme_and_registry(core_repo: Path):
     block = block.split("<!-- results:end")[0]
     assert "CoRe-SFT beats visual SFT on the page" in block and "| visual SFT |" in block
     client = mlflow_client(core_repo)
-    for arm in ARMS:
+    for arm in ARMS + RL_ARMS:
         alias = arm.replace("_", "-")
         version = client.get_model_version_by_alias("core-policy", alias)
         assert version.tags["paperline.method"] == arm and version.tags["paperline.seed"] == "0"
@@ -93,7 +117,7 @@ def test_compare_claims_figure_readme_and_registry(core_repo: Path):
             if r.data.tags.get("paperline.pipeline") == "core"
             and r.data.tags.get("paperline.method")]
     assert {(r.data.params.get("arm"), r.data.params.get("seed")) for r in runs} >= \
-        {(a, s) for a in ("base", *ARMS) for s in ("0", "1")}
+        {(a, s) for a in ("base", *ARMS, *RL_ARMS) for s in ("0", "1")}
     assert all("acc_image" in r.data.metrics for r in runs)
 
 
