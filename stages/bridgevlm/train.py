@@ -17,6 +17,11 @@ token (Causal Tokens) into the LLaVA's input embeddings and adds the M3S losses 
 the transformers Trainer would need a subclassed forward and collator for; 40 lines of loop
 read more plainly.
 
+Model selection (`select_every`): every N steps each run answers the validation split and
+keeps the checkpoint with the best mean of intervention and counterfactual accuracy; the test
+split is answered once, by that checkpoint. The same rule for every arm, so no arm gets more
+tuning than another, and nothing about the test split chooses anything.
+
 Test metrics per arm and seed: intervention-target accuracy, counterfactual accuracy (all four
 levels right), structure-question accuracy and structure F1 from the yes/no answers (pooled
 over questions), per SCM and overall; for the arms with a learned DAG, structure F1 of A after
@@ -115,6 +120,12 @@ class Config(BaseModel):
     trace_tokens: int = Field(48, ge=1, le=256, description="greedy tokens, prompt-level arm")
     eval_batch: int = Field(64, ge=1, le=4096, description="prompts per greedy batch")
     log_every: int = Field(50, ge=1, description="log the loss every N steps")
+    select_every: int | None = Field(None, ge=1, description="every N steps (and at the last) "
+                                     "answer the validation split and keep the checkpoint with "
+                                     "the best mean of intervention and counterfactual accuracy; "
+                                     "the test split answers with that one. None: the last step")
+    select_rows: int | None = Field(None, ge=1, description="validation rows the selection "
+                                                            "answers (None: all)")
     num_threads: int = Field(1, ge=0, le=256, description="torch threads per process; 0 = "
                              "all cores (1: a tiny model runs best on one thread per core)")
     workers: int = Field(1, ge=1, le=64, description="processes training (arm, seed) runs in "
@@ -124,6 +135,9 @@ class Config(BaseModel):
     def _check(self) -> "Config":
         if not self.arms:
             raise ValueError("arms is empty: nothing to train")
+        if self.select_every is not None and self.split == "val":
+            raise ValueError("select_every picks a checkpoint on the val split, and split: val "
+                             "answers on it too: answer on test, or select_every: null")
         if len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"seeds {self.seeds} repeat a value")
         if self.causal.nodes < len(pendulum.VARIABLES):
@@ -266,8 +280,25 @@ def descriptions(model: bmodel.BridgeVLM, tok: Any) -> Any:
     return torch.stack(rows).detach()
 
 
+def selection_points(steps: int, every: int | None) -> list[int]:
+    """The steps (0-based, after their update) at which the validation split is answered."""
+    if every is None:
+        return [steps - 1]
+    return sorted({*range(every - 1, steps, every), steps - 1})
+
+
+def pick_best(scores: dict[int, float]) -> int:
+    """The step with the best validation score; the earliest of tied steps (less training)."""
+    return max(sorted(scores), key=lambda step: scores[step])
+
+
 def train_arm(cfg: Config, arm: Arm, model: bmodel.BridgeVLM, data: Batches,
-              examples: list[dict], tok: Any, seed: int, log: Any) -> dict[str, float]:
+              examples: list[dict], tok: Any, seed: int, log: Any,
+              val: tuple[Batches, list[dict]] | None = None) -> dict[str, float]:
+    """`val`: the validation split; with `cfg.select_every` the model ends holding the
+    checkpoint that answered it best (early stopping by model selection, never on test)."""
+    import copy
+
     import torch
     from torch.nn import functional as F
 
@@ -287,6 +318,9 @@ def train_arm(cfg: Config, arm: Arm, model: bmodel.BridgeVLM, data: Batches,
     model.train()
     history: list[dict[str, float]] = []
     wall, cpu = time.perf_counter(), time.process_time()
+    points = set(selection_points(cfg.steps, cfg.select_every)) if val is not None else set()
+    scores: dict[int, float] = {}
+    best_state: dict[str, Any] | None = None
     for step in range(cfg.steps):
         if len(order) < cfg.batch_size:
             fresh = list(range(len(examples)))
@@ -323,10 +357,23 @@ def train_arm(cfg: Config, arm: Arm, model: bmodel.BridgeVLM, data: Batches,
         history.append(record)
         if step % cfg.log_every == 0 or step == cfg.steps - 1:
             log({f"train/{k}": v for k, v in record.items()}, step)
+        if step in points:
+            model.eval()
+            vm = evaluate(cfg, arm, model, val[0], val[1], tok)
+            model.train()
+            scores[step] = vm["average_acc"]
+            log({"val/average_acc": vm["average_acc"]}, step)
+            if pick_best(scores) == step:
+                best_state = copy.deepcopy(model.state_dict())
     model.eval()
     tail = history[-max(1, len(history) // 10):]
     out = {k: sum(h.get(k, math.nan) for h in tail) / len(tail) for k in history[-1]}
     out["first_loss"] = history[0]["loss"]
+    if scores:
+        best = pick_best(scores)
+        model.load_state_dict(best_state)
+        out["selected_step"] = float(best + 1)
+        out["selected_val_acc"] = scores[best]
     out["train_seconds"] = time.perf_counter() - wall
     out["train_cpu_seconds"] = time.process_time() - cpu
     return out
@@ -442,7 +489,8 @@ _LOADED: dict[tuple, Any] = {}
 def prepared(cfg: Config, folder: Path) -> dict[str, Any]:
     """The splits (checked, decoded) and the tokenizer, once per process: the tokenizer is built
     from the train split's texts, so every process and every arm gets the same one."""
-    key = (str(folder), cfg.split, cfg.spec.image_size, cfg.max_eval_rows)
+    key = (str(folder), cfg.split, cfg.spec.image_size, cfg.max_eval_rows, cfg.select_every,
+           cfg.select_rows)
     if key not in _LOADED:
         size = cfg.spec.image_size
         train_df, train_b, train_a = load_split(folder, "train", size)
@@ -452,6 +500,10 @@ def prepared(cfg: Config, folder: Path) -> dict[str, Any]:
         _LOADED[key] = {"train": (train_rows, train_b, train_a),
                         "test": (test_df.head(n).to_dicts(), test_b[:n], test_a[:n]),
                         "tok": vlm_model.build_tokenizer("word", tokenizer_texts(train_rows))}
+        if cfg.select_every is not None:
+            val_df, val_b, val_a = load_split(folder, "val", size)
+            v = cfg.select_rows or val_df.height
+            _LOADED[key]["val"] = (val_df.head(v).to_dicts(), val_b[:v], val_a[:v])
     return _LOADED[key]
 
 
@@ -479,10 +531,13 @@ def train_job(job: tuple[Config, str, str, int, str, int]) -> tuple[list[dict], 
     test_data = Batches(*data["test"], tok, arm, cfg.edge_label_scms, side)
     torch.manual_seed(seed)
     random.seed(seed)
+    val = None
+    if "val" in data:
+        val = (Batches(*data["val"], tok, arm, cfg.edge_label_scms, side), data["val"][0])
     model = build_model(cfg, arm, tok)
     records: list[dict] = []
     tm = train_arm(cfg, arm, model, train_data, examples, tok, seed,
-                   lambda m, step: records.append({"step": step, **m}))
+                   lambda m, step: records.append({"step": step, **m}), val)
     started = time.perf_counter()
     em = evaluate(cfg, arm, model, test_data, data["test"][0], tok)
     em["eval_seconds"] = time.perf_counter() - started

@@ -207,3 +207,15 @@ def test_a_claim_resting_on_a_method_that_learned_nothing_is_not_tested():
     # structure: one answer to every question in every seed (all yes, then all no)
     assert compare.learned_nothing(m, "bridgevlm", "structure_f1", seeds, 0.05)
     assert not compare.learned_nothing(m, "prompt_level", "structure_f1", seeds, 0.05)
+
+
+def test_checkpoint_selection_points_and_best_step():
+    from stages.bridgevlm import train
+
+    assert train.selection_points(500, None) == [499]
+    assert train.selection_points(500, 100) == [99, 199, 299, 399, 499]
+    assert train.selection_points(250, 100) == [99, 199, 249]   # the last step always counts
+    assert train.pick_best({99: 0.30, 199: 0.42, 299: 0.42, 399: 0.40}) == 199  # earliest tie
+    assert train.pick_best({499: 0.1}) == 499
+    with pytest.raises(ValueError, match="select_every picks a checkpoint on the val split"):
+        train.Config(arms={"answer_only": train.Arm()}, split="val", select_every=10)
