@@ -12,6 +12,11 @@ Every image arm also gets the substrate's auxiliary patch loss (each visual toke
 level of the panel it lies in; stages/train/vlm.py explains why a from-scratch tiny VLM needs
 it to look at the image within a cpu budget); the head is dropped before saving.
 
+Held-out SCMs (those not in `edge_label_scms`, i.e. `relay`): no training signal names their
+edges. Their rows train on the intervention and counterfactual questions only (no structure
+question; the prompt-level target is `=> answer`, without graph or trace), and the M3S edge
+and graph-head losses are masked on them. The test split still asks them all three questions.
+
 Engine: a plain torch loop (AdamW, warm-up + cosine). The forward splices a second kind of
 token (Causal Tokens) into the LLaVA's input embeddings and adds the M3S losses over A, which
 the transformers Trainer would need a subclassed forward and collator for; 40 lines of loop
@@ -38,7 +43,7 @@ import math
 import random
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -105,8 +110,10 @@ class Config(BaseModel):
                                           description="causal module shape")
     losses: Losses = Field(default_factory=Losses, description="loss weights")
     edge_label_scms: list[str] = Field(default_factory=lambda: ["pendulum"],
-                                       description="SCMs whose edges the M3S edge / graph "
-                                                   "losses see; the others are held out")
+                                       description="SCMs whose edges training sees (M3S "
+                                                   "edge / graph losses, structure questions, "
+                                                   "the prompt-level graph); the others are "
+                                                   "held out")
     steps: int = Field(300, ge=1, le=1_000_000, description="optimiser steps per arm and seed")
     batch_size: int = Field(32, ge=1, le=4096, description="examples per step")
     lr: float = Field(3e-3, gt=0, le=1.0, description="peak learning rate")
@@ -177,15 +184,25 @@ def tokenizer_texts(rows: list[dict]) -> list[str]:
 
 
 def build_examples(rows: list[dict], arm: Arm, tok: Any, image_tokens: int, causal_tokens: int,
-                   max_positions: int) -> list[dict[str, Any]]:
-    """One example per (row, question kind): ids, kinds, labels (loss on the target only)."""
+                   max_positions: int, edge_label_scms: Sequence[str]
+                   ) -> list[dict[str, Any]]:
+    """One example per (row, question kind): ids, kinds, labels (loss on the target only).
+
+    Rows of an SCM not in `edge_label_scms` (held out: `relay`) train on the intervention and
+    counterfactual questions only, and the prompt-level target drops the graph and the trace
+    for them (`=> answer`): their structure answers and graph text would supervise the edges
+    that the induction claim says no training signal reveals. The data stage is unchanged:
+    the held-out rows keep their structure questions for evaluation."""
     out = []
     for i, row in enumerate(rows):
         values = (row["before"], row["after"]) if arm.input == "values" else None
+        labelled = row["scm"] in edge_label_scms
         for kind in bmodel.QUESTION_KINDS:
+            if kind == "structure" and not labelled:
+                continue
             ids, kinds = bmodel.encode_prompt(tok, bmodel.query_of(row, kind), image_tokens,
                                               causal_tokens, values)
-            target = (bmodel.trace_target(row, kind) if arm.target == "trace"
+            target = (bmodel.trace_target(row, kind, graph=labelled) if arm.target == "trace"
                       else bmodel.answer_of(row, kind))
             t = tok(target, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
             out.append({"row": i, "ids": ids + t, "kinds": kinds + [0] * len(t),
@@ -526,7 +543,8 @@ def train_job(job: tuple[Config, str, str, int, str, int]) -> tuple[list[dict], 
     tok, arm = data["tok"], cfg.arms[name]
     side = cfg.spec.image_size // cfg.spec.patch_size
     examples = build_examples(data["train"][0], arm, tok, cfg.spec.patch_tokens,
-                              causal_tokens(cfg, arm), cfg.spec.max_positions)
+                              causal_tokens(cfg, arm), cfg.spec.max_positions,
+                              cfg.edge_label_scms)
     train_data = Batches(*data["train"], tok, arm, cfg.edge_label_scms, side)
     test_data = Batches(*data["test"], tok, arm, cfg.edge_label_scms, side)
     torch.manual_seed(seed)
@@ -561,7 +579,7 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     tok = data["tok"]
     for name, arm in cfg.arms.items():    # a too-long prompt fails before any training
         build_examples(data["train"][0][:50], arm, tok, cfg.spec.patch_tokens,
-                       causal_tokens(cfg, arm), cfg.spec.max_positions)
+                       causal_tokens(cfg, arm), cfg.spec.max_positions, cfg.edge_label_scms)
     out = ctx.path(cfg.out)
     metrics: dict[str, float] = {"train_pairs": float(len(data["train"][0])),
                                  "test_pairs": float(len(data["test"][0])),
