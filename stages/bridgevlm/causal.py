@@ -143,7 +143,8 @@ def ramp_weight(step: int, steps: int, weight: float, ramp: float) -> float:
 class CausalModule(nn.Module):
     """Variable extraction, soft DAG, RAMP, graph tokens -> Causal Tokens (module docstring).
 
-    `dag` False: A is all-ones off the diagonal (the no-DAG ablation). `node_tokens` /
+    `dag` False: A is all-ones off the diagonal (the no-DAG ablation: no edge or acyclicity
+    loss; the graph tokens and their graph head stay). `node_tokens` /
     `graph_tokens` False: those tokens are left out of the decoder input (graph tokens off also
     drops the graph feedback and the graph head: the no-global-tokens ablation)."""
 
@@ -220,7 +221,9 @@ def m3s_loss(module: CausalModule, out: dict[str, torch.Tensor], *, descriptions
              weights: Any, acyclic_weight: float) -> dict[str, torch.Tensor]:
     """The M3S terms for one batch (spec §2). true_a: (B, k, k) 0/1; edge_mask: (B,) 1 where the
     sample's edges are labelled; states: (B, k, 2) levels before / after; weights: a Losses
-    config (edge, align, graph, node, align_temperature). Returns each weighted term."""
+    config (edge, align, graph, node, align_temperature). Returns each weighted term: edge and
+    acyclic only with a learned DAG (`module.dag`); graph whenever the module has graph tokens
+    (the no-DAG ablation keeps the graph-level supervision of its graph tokens)."""
     k = module.variables
     terms: dict[str, torch.Tensor] = {}
     z = out["z"]
@@ -229,16 +232,16 @@ def m3s_loss(module: CausalModule, out: dict[str, torch.Tensor], *, descriptions
     logits = module.state_head(out["h"][:, :k]).reshape(-1, k, 2, module.levels)
     terms["node"] = weights.node * nn.functional.cross_entropy(
         logits.reshape(-1, module.levels), states.reshape(-1))
-    if module.dag:
+    off = 1 - torch.eye(k, device=z.device)
+    mask = edge_mask[:, None, None] * off          # labelled, off-diagonal edges
+    if module.dag:                                 # no DAG: A is constant, nothing to fit
         a = out["a"][:, :k, :k]
-        off = 1 - torch.eye(k, device=a.device)
-        mask = edge_mask[:, None, None] * off
         bce = nn.functional.binary_cross_entropy(a.clamp(1e-6, 1 - 1e-6), true_a,
                                                  reduction="none")
         terms["edge"] = weights.edge * (bce * mask).sum() / mask.sum().clamp(min=1)
         terms["acyclic"] = acyclic_weight * acyclicity(out["a"]).mean()
-        if module.graph_tokens and "graph" in out:
-            gl = module.graph_head(out["graph"].mean(dim=1)).reshape(-1, k, k)
-            gb = nn.functional.binary_cross_entropy_with_logits(gl, true_a, reduction="none")
-            terms["graph"] = weights.graph * (gb * mask).sum() / mask.sum().clamp(min=1)
+    if module.graph_tokens and "graph" in out:     # graph tokens exist: lambda_g, DAG or not
+        gl = module.graph_head(out["graph"].mean(dim=1)).reshape(-1, k, k)
+        gb = nn.functional.binary_cross_entropy_with_logits(gl, true_a, reduction="none")
+        terms["graph"] = weights.graph * (gb * mask).sum() / mask.sum().clamp(min=1)
     return terms

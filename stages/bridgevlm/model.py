@@ -15,7 +15,9 @@ prompt-level arm (spec §3 (c)), the textual graph and a trace before the answer
 
     graph : angle > shadow_len , ... ; changed : angle shadow_len ; => angle
 
-`parse_answer` reads what follows the last `=>` (the whole text for the other arms).
+Training rows of an SCM whose edges are held out (`edge_label_scms`) get `=> angle` alone and
+no structure question (stages/bridgevlm/train.py `build_examples`). `parse_answer` reads
+what follows the last `=>` (the whole text for the other arms).
 """
 
 from __future__ import annotations
@@ -37,8 +39,13 @@ def graph_text(scm: str) -> str:
                       for i, j in pendulum.SCMS[scm][0])
 
 
-def trace_target(row: dict[str, Any], kind: str) -> str:
-    """The prompt-level target: true graph, a one-line trace, then `=> answer`."""
+def trace_target(row: dict[str, Any], kind: str, graph: bool = True) -> str:
+    """The prompt-level target: true graph, a one-line trace, then `=> answer`. `graph` False
+    (rows of an SCM whose edges are held out): `=> answer` alone, since the graph text and the
+    traces (descendants, the changed variables, the edge asked about) would spell out its
+    edges."""
+    if not graph:
+        return f"{ARROW} {answer_of(row, kind)}"
     names = pendulum.VARIABLES
     if kind == "intervention":
         changed = [names[k] for k in range(len(names)) if row["before"][k] != row["after"][k]]

@@ -12,10 +12,20 @@ Every image arm also gets the substrate's auxiliary patch loss (each visual toke
 level of the panel it lies in; stages/train/vlm.py explains why a from-scratch tiny VLM needs
 it to look at the image within a cpu budget); the head is dropped before saving.
 
+Held-out SCMs (those not in `edge_label_scms`, i.e. `relay`): no training signal names their
+edges. Their rows train on the intervention and counterfactual questions only (no structure
+question; the prompt-level target is `=> answer`, without graph or trace), and the M3S edge
+and graph-head losses are masked on them. The test split still asks them all three questions.
+
 Engine: a plain torch loop (AdamW, warm-up + cosine). The forward splices a second kind of
 token (Causal Tokens) into the LLaVA's input embeddings and adds the M3S losses over A, which
 the transformers Trainer would need a subclassed forward and collator for; 40 lines of loop
 read more plainly.
+
+Model selection (`select_every`): every N steps each run answers the validation split and
+keeps the checkpoint with the best mean of intervention and counterfactual accuracy; the test
+split is answered once, by that checkpoint. The same rule for every arm, so no arm gets more
+tuning than another, and nothing about the test split chooses anything.
 
 Test metrics per arm and seed: intervention-target accuracy, counterfactual accuracy (all four
 levels right), structure-question accuracy and structure F1 from the yes/no answers (pooled
@@ -33,7 +43,7 @@ import math
 import random
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -100,8 +110,10 @@ class Config(BaseModel):
                                           description="causal module shape")
     losses: Losses = Field(default_factory=Losses, description="loss weights")
     edge_label_scms: list[str] = Field(default_factory=lambda: ["pendulum"],
-                                       description="SCMs whose edges the M3S edge / graph "
-                                                   "losses see; the others are held out")
+                                       description="SCMs whose edges training sees (M3S "
+                                                   "edge / graph losses, structure questions, "
+                                                   "the prompt-level graph); the others are "
+                                                   "held out")
     steps: int = Field(300, ge=1, le=1_000_000, description="optimiser steps per arm and seed")
     batch_size: int = Field(32, ge=1, le=4096, description="examples per step")
     lr: float = Field(3e-3, gt=0, le=1.0, description="peak learning rate")
@@ -115,6 +127,12 @@ class Config(BaseModel):
     trace_tokens: int = Field(48, ge=1, le=256, description="greedy tokens, prompt-level arm")
     eval_batch: int = Field(64, ge=1, le=4096, description="prompts per greedy batch")
     log_every: int = Field(50, ge=1, description="log the loss every N steps")
+    select_every: int | None = Field(None, ge=1, description="every N steps (and at the last) "
+                                     "answer the validation split and keep the checkpoint with "
+                                     "the best mean of intervention and counterfactual accuracy; "
+                                     "the test split answers with that one. None: the last step")
+    select_rows: int | None = Field(None, ge=1, description="validation rows the selection "
+                                                            "answers (None: all)")
     num_threads: int = Field(1, ge=0, le=256, description="torch threads per process; 0 = "
                              "all cores (1: a tiny model runs best on one thread per core)")
     workers: int = Field(1, ge=1, le=64, description="processes training (arm, seed) runs in "
@@ -124,6 +142,9 @@ class Config(BaseModel):
     def _check(self) -> "Config":
         if not self.arms:
             raise ValueError("arms is empty: nothing to train")
+        if self.select_every is not None and self.split == "val":
+            raise ValueError("select_every picks a checkpoint on the val split, and split: val "
+                             "answers on it too: answer on test, or select_every: null")
         if len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"seeds {self.seeds} repeat a value")
         if self.causal.nodes < len(pendulum.VARIABLES):
@@ -163,15 +184,25 @@ def tokenizer_texts(rows: list[dict]) -> list[str]:
 
 
 def build_examples(rows: list[dict], arm: Arm, tok: Any, image_tokens: int, causal_tokens: int,
-                   max_positions: int) -> list[dict[str, Any]]:
-    """One example per (row, question kind): ids, kinds, labels (loss on the target only)."""
+                   max_positions: int, edge_label_scms: Sequence[str]
+                   ) -> list[dict[str, Any]]:
+    """One example per (row, question kind): ids, kinds, labels (loss on the target only).
+
+    Rows of an SCM not in `edge_label_scms` (held out: `relay`) train on the intervention and
+    counterfactual questions only, and the prompt-level target drops the graph and the trace
+    for them (`=> answer`): their structure answers and graph text would supervise the edges
+    that the induction claim says no training signal reveals. The data stage is unchanged:
+    the held-out rows keep their structure questions for evaluation."""
     out = []
     for i, row in enumerate(rows):
         values = (row["before"], row["after"]) if arm.input == "values" else None
+        labelled = row["scm"] in edge_label_scms
         for kind in bmodel.QUESTION_KINDS:
+            if kind == "structure" and not labelled:
+                continue
             ids, kinds = bmodel.encode_prompt(tok, bmodel.query_of(row, kind), image_tokens,
                                               causal_tokens, values)
-            target = (bmodel.trace_target(row, kind) if arm.target == "trace"
+            target = (bmodel.trace_target(row, kind, graph=labelled) if arm.target == "trace"
                       else bmodel.answer_of(row, kind))
             t = tok(target, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
             out.append({"row": i, "ids": ids + t, "kinds": kinds + [0] * len(t),
@@ -266,8 +297,25 @@ def descriptions(model: bmodel.BridgeVLM, tok: Any) -> Any:
     return torch.stack(rows).detach()
 
 
+def selection_points(steps: int, every: int | None) -> list[int]:
+    """The steps (0-based, after their update) at which the validation split is answered."""
+    if every is None:
+        return [steps - 1]
+    return sorted({*range(every - 1, steps, every), steps - 1})
+
+
+def pick_best(scores: dict[int, float]) -> int:
+    """The step with the best validation score; the earliest of tied steps (less training)."""
+    return max(sorted(scores), key=lambda step: scores[step])
+
+
 def train_arm(cfg: Config, arm: Arm, model: bmodel.BridgeVLM, data: Batches,
-              examples: list[dict], tok: Any, seed: int, log: Any) -> dict[str, float]:
+              examples: list[dict], tok: Any, seed: int, log: Any,
+              val: tuple[Batches, list[dict]] | None = None) -> dict[str, float]:
+    """`val`: the validation split; with `cfg.select_every` the model ends holding the
+    checkpoint that answered it best (early stopping by model selection, never on test)."""
+    import copy
+
     import torch
     from torch.nn import functional as F
 
@@ -287,6 +335,9 @@ def train_arm(cfg: Config, arm: Arm, model: bmodel.BridgeVLM, data: Batches,
     model.train()
     history: list[dict[str, float]] = []
     wall, cpu = time.perf_counter(), time.process_time()
+    points = set(selection_points(cfg.steps, cfg.select_every)) if val is not None else set()
+    scores: dict[int, float] = {}
+    best_state: dict[str, Any] | None = None
     for step in range(cfg.steps):
         if len(order) < cfg.batch_size:
             fresh = list(range(len(examples)))
@@ -323,10 +374,23 @@ def train_arm(cfg: Config, arm: Arm, model: bmodel.BridgeVLM, data: Batches,
         history.append(record)
         if step % cfg.log_every == 0 or step == cfg.steps - 1:
             log({f"train/{k}": v for k, v in record.items()}, step)
+        if step in points:
+            model.eval()
+            vm = evaluate(cfg, arm, model, val[0], val[1], tok)
+            model.train()
+            scores[step] = vm["average_acc"]
+            log({"val/average_acc": vm["average_acc"]}, step)
+            if pick_best(scores) == step:
+                best_state = copy.deepcopy(model.state_dict())
     model.eval()
     tail = history[-max(1, len(history) // 10):]
     out = {k: sum(h.get(k, math.nan) for h in tail) / len(tail) for k in history[-1]}
     out["first_loss"] = history[0]["loss"]
+    if scores:
+        best = pick_best(scores)
+        model.load_state_dict(best_state)
+        out["selected_step"] = float(best + 1)
+        out["selected_val_acc"] = scores[best]
     out["train_seconds"] = time.perf_counter() - wall
     out["train_cpu_seconds"] = time.process_time() - cpu
     return out
@@ -442,7 +506,8 @@ _LOADED: dict[tuple, Any] = {}
 def prepared(cfg: Config, folder: Path) -> dict[str, Any]:
     """The splits (checked, decoded) and the tokenizer, once per process: the tokenizer is built
     from the train split's texts, so every process and every arm gets the same one."""
-    key = (str(folder), cfg.split, cfg.spec.image_size, cfg.max_eval_rows)
+    key = (str(folder), cfg.split, cfg.spec.image_size, cfg.max_eval_rows, cfg.select_every,
+           cfg.select_rows)
     if key not in _LOADED:
         size = cfg.spec.image_size
         train_df, train_b, train_a = load_split(folder, "train", size)
@@ -452,6 +517,10 @@ def prepared(cfg: Config, folder: Path) -> dict[str, Any]:
         _LOADED[key] = {"train": (train_rows, train_b, train_a),
                         "test": (test_df.head(n).to_dicts(), test_b[:n], test_a[:n]),
                         "tok": vlm_model.build_tokenizer("word", tokenizer_texts(train_rows))}
+        if cfg.select_every is not None:
+            val_df, val_b, val_a = load_split(folder, "val", size)
+            v = cfg.select_rows or val_df.height
+            _LOADED[key]["val"] = (val_df.head(v).to_dicts(), val_b[:v], val_a[:v])
     return _LOADED[key]
 
 
@@ -474,15 +543,19 @@ def train_job(job: tuple[Config, str, str, int, str, int]) -> tuple[list[dict], 
     tok, arm = data["tok"], cfg.arms[name]
     side = cfg.spec.image_size // cfg.spec.patch_size
     examples = build_examples(data["train"][0], arm, tok, cfg.spec.patch_tokens,
-                              causal_tokens(cfg, arm), cfg.spec.max_positions)
+                              causal_tokens(cfg, arm), cfg.spec.max_positions,
+                              cfg.edge_label_scms)
     train_data = Batches(*data["train"], tok, arm, cfg.edge_label_scms, side)
     test_data = Batches(*data["test"], tok, arm, cfg.edge_label_scms, side)
     torch.manual_seed(seed)
     random.seed(seed)
+    val = None
+    if "val" in data:
+        val = (Batches(*data["val"], tok, arm, cfg.edge_label_scms, side), data["val"][0])
     model = build_model(cfg, arm, tok)
     records: list[dict] = []
     tm = train_arm(cfg, arm, model, train_data, examples, tok, seed,
-                   lambda m, step: records.append({"step": step, **m}))
+                   lambda m, step: records.append({"step": step, **m}), val)
     started = time.perf_counter()
     em = evaluate(cfg, arm, model, test_data, data["test"][0], tok)
     em["eval_seconds"] = time.perf_counter() - started
@@ -506,7 +579,7 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     tok = data["tok"]
     for name, arm in cfg.arms.items():    # a too-long prompt fails before any training
         build_examples(data["train"][0][:50], arm, tok, cfg.spec.patch_tokens,
-                       causal_tokens(cfg, arm), cfg.spec.max_positions)
+                       causal_tokens(cfg, arm), cfg.spec.max_positions, cfg.edge_label_scms)
     out = ctx.path(cfg.out)
     metrics: dict[str, float] = {"train_pairs": float(len(data["train"][0])),
                                  "test_pairs": float(len(data["test"][0])),

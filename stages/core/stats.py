@@ -4,9 +4,11 @@ claim rule that says whether a paper's claim is reproduced here.
 The claim rule (house rule, applied the same way in every pipeline):
 
 - **reproduced**: the paired 95% CI of (method - baseline) excludes 0 in the paper's direction;
-- **contradicted**: it excludes 0 the other way, or it excludes the paper's claimed effect
-  (the effect, if there is one, is smaller than the paper's, in a way these runs can see);
-- **inconclusive**: neither.
+- **contradicted**: it excludes 0 the other way;
+- **inconclusive**: neither. Where the CI holds 0 but excludes the paper's claimed effect, the
+  claim stays inconclusive and says so (`Claim.excludes_paper_effect`): the effect here, if any,
+  is smaller than the paper's, which is a finding about size, not evidence against the
+  direction. (An earlier version called that case contradicted, against the project's rule.)
 
 Every verdict is reported with the minimum detectable effect (MDE) of this run: the true
 difference that a paired two-sided 5% test would detect with 80% power, at this run's number of
@@ -149,10 +151,9 @@ def mde(diffs: Sequence[float], power: float = 0.8) -> float:
     return (float(t.ppf(0.975, n - 1)) + float(t.ppf(power, n - 1))) * sd / math.sqrt(n)
 
 
-def verdict(low: float, high: float, direction: int = 1, paper_effect: float | None = None) -> int:
+def verdict(low: float, high: float, direction: int = 1) -> int:
     """+1 reproduced, -1 contradicted, 0 inconclusive (module docstring). `direction` is +1 when
-    the paper says the method's value is higher than the baseline's, -1 when lower;
-    `paper_effect` is the paper's claimed difference (method - baseline, signed), if it gives one."""
+    the paper says the method's value is higher than the baseline's, -1 when lower."""
     if direction not in (1, -1):
         raise ValueError(f"direction must be +1 or -1, not {direction!r}")
     if not (math.isfinite(low) and math.isfinite(high)):
@@ -160,8 +161,6 @@ def verdict(low: float, high: float, direction: int = 1, paper_effect: float | N
     if (low > 0 and direction > 0) or (high < 0 and direction < 0):
         return 1
     if (high < 0 and direction > 0) or (low > 0 and direction < 0):
-        return -1
-    if paper_effect is not None and math.isfinite(paper_effect) and not low <= paper_effect <= high:
         return -1
     return 0
 
@@ -181,6 +180,13 @@ class Claim:
     @property
     def name(self) -> str:
         return VERDICTS[self.verdict]
+
+    @property
+    def excludes_paper_effect(self) -> bool:
+        """The CI lies wholly on one side of the paper's claimed effect (whatever the verdict)."""
+        p = self.paper_effect
+        return (p is not None and math.isfinite(p) and math.isfinite(self.low)
+                and math.isfinite(self.high) and not self.low <= p <= self.high)
 
     def metrics(self, prefix: str) -> dict[str, float]:
         """Flat DVC metrics: <prefix>/diff, ci_low, ci_high, mde, pairs, verdict (+1/0/-1)."""
@@ -202,6 +208,8 @@ class Claim:
         def f(v: float | None) -> str:
             return "n/a" if v is None or not math.isfinite(v) else fmt.format(v)
         paper = f"; paper: {f(self.paper_effect)}" if self.paper_effect is not None else ""
+        if self.verdict == 0 and self.excludes_paper_effect:
+            paper += " (outside the CI)"
         mde_text = "n/a" if not math.isfinite(self.mde) else fmt.format(self.mde).lstrip("+")
         return (f"**{self.name}**: {f(self.diff)} [{f(self.low)}, {f(self.high)}] over "
                 f"{self.n} pairs; MDE {mde_text}{paper}")
@@ -213,8 +221,7 @@ def claim(method: Sequence[float], baseline: Sequence[float], *, direction: int 
     """Test 'method beats baseline in the paper's direction' on paired values (module docstring)."""
     diff, low, high = paired_ci(method, baseline, method=method_ci, draws=draws, seed=seed)
     d = [x - y for x, y in zip(method, baseline)]
-    return Claim(diff, low, high, verdict(low, high, direction, paper_effect), mde(d), len(d),
-                 paper_effect)
+    return Claim(diff, low, high, verdict(low, high, direction), mde(d), len(d), paper_effect)
 
 
 def claim_from_ci(diff: float, low: float, high: float, *, diffs: Sequence[float] = (),
@@ -222,7 +229,7 @@ def claim_from_ci(diff: float, low: float, high: float, *, diffs: Sequence[float
                   paper_effect: float | None = None, mde_value: float | None = None) -> Claim:
     """The same rule for a CI computed elsewhere (e.g. a bootstrap of a correlation difference)."""
     m = mde_value if mde_value is not None else mde(diffs)
-    return Claim(diff, low, high, verdict(low, high, direction, paper_effect), m,
+    return Claim(diff, low, high, verdict(low, high, direction), m,
                  n if n is not None else len(diffs), paper_effect)
 
 
@@ -259,8 +266,8 @@ def claim_by_key(method: Mapping[Any, float], baseline: Mapping[Any, float], *,
                          f"only: {only}")
     pairs = [(float(method[k]), float(baseline[k])) for k in sorted(method)]
     pairs = [(m, b) for m, b in pairs if math.isfinite(m) and math.isfinite(b)]
-    undecided = Claim(math.nan, math.nan, math.nan, verdict(math.nan, math.nan, direction),
-                      math.nan, len(pairs), paper_effect)
+    undecided = Claim(math.nan, math.nan, math.nan, 0, math.nan, len(pairs), paper_effect)
+    verdict(0.0, 0.0, direction)                          # a bad direction fails here too
     if not pairs:
         return undecided
     m, b = [p[0] for p in pairs], [p[1] for p in pairs]

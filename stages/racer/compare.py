@@ -387,7 +387,8 @@ def results_table(metrics: dict[str, dict[str, Any]]) -> str:
     if claims:
         lines += ["Claims, by the house rule (paired 95% CI of method - baseline: reproduced when "
                   "it excludes 0 in the paper's direction, contradicted when it excludes 0 the "
-                  "other way or excludes the paper's effect, else inconclusive; MDE = the "
+                  "other way, else inconclusive (beside it: whether the CI excludes the paper's "
+                  "effect); MDE = the "
                   "smallest true difference these pairs detect with 80% power). Routers are "
                   "paired by budget x seed on `evaluate.claim_split` (test_hard: the shift), the "
                   "judges per item:", ""]

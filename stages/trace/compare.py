@@ -210,7 +210,7 @@ def results_table(metrics: dict[str, dict[str, Any]]) -> str:
     if any(c is not None for _, c in claimed):
         lines += ["", "Claims, by the house rule (95% CI of the difference: reproduced when it "
                       "excludes 0 in the paper's direction, contradicted when it excludes 0 the "
-                      "other way or excludes the paper's effect, else inconclusive). Correlations: "
+                      "other way, else inconclusive). Correlations: "
                       "percentile bootstrap over the conditions (paired for differences; pairs = "
                       "conditions; MDE = `compare.mde_sds`, 2.8, x the sd of the bootstrap "
                       "draws); RL: t interval over seeds:", ""]

@@ -82,6 +82,43 @@ def test_structure_f1_hard_and_soft_on_hand_cases():
     assert compare.memorised_f1() == pytest.approx(2 / 7)
 
 
+def test_trivial_graphs_on_relay_and_the_induction_claim():
+    # relay has 3 of the 12 directed off-diagonal edges. Graphs that ignore the images:
+    # Pendulum's graph: TP 1, FP 3, FN 2 -> 2 / 7; every edge: TP 3, FP 9, FN 0 -> 6 / 15;
+    # no edge: TP 0, FN 3 -> 0 (not the empty-vs-empty 1)
+    f1 = compare.trivial_f1()
+    assert f1 == {"memorised": pytest.approx(2 / 7), "all_edges": pytest.approx(0.4),
+                  "empty": 0.0}
+    best = max(f1.values())
+    assert best == pytest.approx(0.4)
+    # the old reference (2/7) would call an A that beats it by a little "induced"; against
+    # 0.4 it is contradicted (one-sample t CI of F1 - 0.4 over seeds lies below 0)
+    f1_seeds, gap = {0: 0.29, 1: 0.30, 2: 0.31}, {0: 0.01, 1: 0.02, 2: 0.015}
+    c_f1, c_gap, v = compare.induced_claim(f1_seeds, gap, best)
+    assert c_f1.diff == pytest.approx(-0.1) and c_f1.high < 0 and v == -1
+    # F1 above 0.4 with a gap above 0: reproduced; the same F1 with no gap: not reproduced
+    up = {0: 0.60, 1: 0.65, 2: 0.70}
+    assert compare.induced_claim(up, gap, best)[2] == 1
+    flat = {0: 0.0, 1: 0.001, 2: -0.001}                     # gap CI holds 0
+    c_f1, c_gap, v = compare.induced_claim(up, flat, best)
+    assert c_f1.verdict == 1 and c_gap.verdict == 0 and v == 0
+    # the compare stage writes one verdict for it, plus the gap's CI beside it
+    m = {f"seed{s}/bridgevlm/{k}": d[s] for s in up
+         for k, d in (("a_f1_hard_relay", up), ("a_scm_gap", gap), ("intervention_acc", up))}
+
+    class Ctx:
+        def stage_metrics(self, stage):
+            return m
+
+    out = compare.run(compare.Config(), Ctx())
+    assert out["claim/induced/verdict"] == 1 and out["trivial_f1_best"] == pytest.approx(0.4)
+    assert out["claim/induced/gap_diff"] == pytest.approx(0.015)
+    assert compare.headline(out)["reproduced"] == 1
+    row = [r for r in compare.results_table({"compare": out}).splitlines()
+           if "the DAG is induced" in r]
+    assert len(row) == 1 and "0.400" in row[0] and "A gap 0.015" in row[0]
+
+
 def test_info_nce_prefers_the_aligned_descriptions_and_ramp_weight():
     desc = torch.eye(3)
     aligned = causal.info_nce(torch.eye(3)[None] * 5, desc, temperature=0.1)
@@ -91,6 +128,33 @@ def test_info_nce_prefers_the_aligned_descriptions_and_ramp_weight():
     assert causal.ramp_weight(25, 100, 0.1, 0.5) == pytest.approx(0.05)
     assert causal.ramp_weight(90, 100, 0.1, 0.5) == pytest.approx(0.1)
     assert causal.ramp_weight(0, 100, 0.1, 0.0) == pytest.approx(0.1)
+
+
+def test_no_dag_arm_keeps_the_graph_loss_and_drops_edge_and_acyclicity():
+    from stages.bridgevlm import train
+
+    torch.manual_seed(0)
+    spec = causal.CausalSpec()
+    v = torch.randn(3, 4, 16)
+    true_a = torch.tensor([pendulum.adjacency("pendulum")] * 3, dtype=torch.float32)
+    kw = {"descriptions": torch.randn(4, 16), "true_a": true_a,
+          "edge_mask": torch.tensor([1.0, 1.0, 0.0]), "states": torch.zeros(3, 4, 2,
+                                                                            dtype=torch.long),
+          "weights": train.Losses(), "acyclic_weight": 0.1}
+    no_dag = causal.CausalModule(16, spec, 4, 4, dag=False)
+    terms = causal.m3s_loss(no_dag, no_dag(v, v), **kw)
+    assert set(terms) == {"align", "node", "graph"}
+    assert float(terms["graph"].detach()) > 0
+    terms["graph"].backward()                        # it trains the graph tokens' path
+    assert no_dag.q_graph.grad is not None and float(no_dag.q_graph.grad.abs().sum()) > 0
+    full = causal.CausalModule(16, spec, 4, 4)
+    assert set(causal.m3s_loss(full, full(v, v), **kw)) == {"align", "node", "edge", "acyclic",
+                                                            "graph"}
+    no_graph = causal.CausalModule(16, spec, 4, 4, graph_tokens=False)
+    assert "graph" not in causal.m3s_loss(no_graph, no_graph(v, v), **kw)
+    # the graph term is masked like the edges: with no labelled row it is 0
+    kw["edge_mask"] = torch.zeros(3)
+    assert float(causal.m3s_loss(no_dag, no_dag(v, v), **kw)["graph"]) == 0.0
 
 
 def test_causal_module_token_counts_per_ablation():
@@ -169,6 +233,44 @@ def test_prompt_layout_and_prompt_level_target():
     assert bmodel.panel_of_patch(4)[:4] == [0, 0, 1, 1] and bmodel.panel_of_patch(4)[-1] == 3
 
 
+def test_held_out_rows_train_without_structure_questions_or_graph_text():
+    from stages.bridgevlm import train
+    from stages.models.vlm import build_tokenizer
+
+    rows = pendulum.generate_splits(pendulum.TaskConfig(), {"test": 1, "val": 1, "train": 4},
+                                    seed=0)["train"]
+    assert {r["scm"] for r in rows} == {"pendulum", "relay"}
+    tok = build_tokenizer("word", train.tokenizer_texts(rows))
+    relay = [i for i, r in enumerate(rows) if r["scm"] == "relay"]
+    relay_graph = bmodel.graph_text("relay")                 # angle > light , light > ...
+    for arm in (train.Arm(), train.Arm(target="trace"), train.Arm(causal=True),
+                train.Arm(input="values")):
+        ex = train.build_examples(rows, arm, tok, 4, 0, 256, ["pendulum"])
+        # pendulum rows: three questions each; relay rows: intervention + counterfactual only
+        assert len(ex) == 3 * (len(rows) - len(relay)) + 2 * len(relay)
+        for e in ex:
+            if e["row"] not in relay:
+                continue
+            row = rows[e["row"]]
+            prompt = tok.decode([i for i, lab in zip(e["ids"], e["labels"]) if lab == -100],
+                                skip_special_tokens=True)
+            target = tok.decode([t for t in e["labels"] if t != -100], skip_special_tokens=True)
+            assert row["struct_query"] not in prompt and "cause" not in prompt
+            assert "graph" not in target and "descendants" not in target
+            assert ">" not in target.replace("=>", "")           # no "cause > effect" at all
+            assert relay_graph not in target
+            assert bmodel.parse_answer(target) in (row["intervention_answer"], row["cf_answer"])
+    # every SCM labelled: relay rows get all three questions and the prompt-level graph back
+    ex = train.build_examples(rows, train.Arm(target="trace"), tok, 4, 0, 256,
+                              ["pendulum", "relay"])
+    assert len(ex) == 3 * len(rows)
+    assert any(relay_graph in tok.decode([t for t in e["labels"] if t != -100],
+                                         skip_special_tokens=True)
+               for e in ex if e["row"] in relay)
+    assert bmodel.trace_target(rows[relay[0]], "structure", graph=False) == \
+        f"=> {rows[relay[0]]['struct_answer']}"
+
+
 def test_bad_config_and_malformed_images_are_refused(tmp_path):
     from stages.bridgevlm import train
     from stages.tasks.images import ImageValidationError
@@ -207,3 +309,15 @@ def test_a_claim_resting_on_a_method_that_learned_nothing_is_not_tested():
     # structure: one answer to every question in every seed (all yes, then all no)
     assert compare.learned_nothing(m, "bridgevlm", "structure_f1", seeds, 0.05)
     assert not compare.learned_nothing(m, "prompt_level", "structure_f1", seeds, 0.05)
+
+
+def test_checkpoint_selection_points_and_best_step():
+    from stages.bridgevlm import train
+
+    assert train.selection_points(500, None) == [499]
+    assert train.selection_points(500, 100) == [99, 199, 299, 399, 499]
+    assert train.selection_points(250, 100) == [99, 199, 249]   # the last step always counts
+    assert train.pick_best({99: 0.30, 199: 0.42, 299: 0.42, 399: 0.40}) == 199  # earliest tie
+    assert train.pick_best({499: 0.1}) == 499
+    with pytest.raises(ValueError, match="select_every picks a checkpoint on the val split"):
+        train.Config(arms={"answer_only": train.Arm()}, split="val", select_every=10)

@@ -51,11 +51,16 @@ def test_paired_ci_refuses_unpaired_input():
     (-3.0, -1.0, -1, None, 1),   # the paper says lower: reproduced
     (-1.0, 2.0, 1, None, 0),     # includes 0: inconclusive
     (-1.0, 2.0, 1, 1.5, 0),      # includes the paper's effect too
-    (-1.0, 2.0, 1, 5.0, -1),     # includes 0 but excludes the paper's +5: contradicted
+    (-1.0, 2.0, 1, 5.0, 0),      # includes 0, excludes the paper's +5: inconclusive, smaller
+    (-3.0, -1.0, 1, 5.0, -1),    # excludes 0 the other way (and the paper's effect)
     (math.nan, math.nan, 1, None, 0),
 ])
 def test_verdict_rule(low, high, direction, paper, expected):
-    assert stats.verdict(low, high, direction, paper) == expected
+    c = stats.claim_from_ci((low + high) / 2, low, high, n=3, direction=direction,
+                            paper_effect=paper, mde_value=1.0)
+    assert c.verdict == stats.verdict(low, high, direction) == expected
+    assert c.excludes_paper_effect == (paper is not None and not low <= paper <= high)
+    assert c.sentence().endswith("(outside the CI)") == (expected == 0 and paper == 5.0)
 
 
 def test_claim_end_to_end_and_its_metrics():

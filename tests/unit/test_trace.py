@@ -186,18 +186,21 @@ def test_trace_claims_need_the_paired_ci_above_zero_for_each_baseline():
     cfg = CompareConfig(paper_r_trace=0.74, paper_r_neg_ppl=0.3, paper_r_length=0.1)
     c = correlation_claims(_cor(), cfg)
     # higher point estimate than both baselines, but the perplexity difference CI [-0.05, 0.3]
-    # crosses 0, and it excludes the paper's 0.74 - 0.3 = 0.44: contradicted
+    # crosses 0 (inconclusive), and it excludes the paper's 0.74 - 0.3 = 0.44 (said beside it)
     assert c["claim/trace_beats_length/verdict"] == 1.0
     assert c["claim/trace_beats_length/diff"] == pytest.approx(0.8)
     assert c["claim/trace_beats_length/paper_effect"] == pytest.approx(0.64)
-    assert c["claim/trace_beats_neg_ppl/verdict"] == -1.0
+    assert c["claim/trace_beats_neg_ppl/verdict"] == 0.0
     assert c["claim/trace_beats_neg_ppl/paper_effect"] == pytest.approx(0.44)
+    from stages.core.stats import read_claim
+    assert read_claim(c, "claim/trace_beats_neg_ppl").excludes_paper_effect
     # the MDE from the bootstrap spread: 2.8 sd; pairs = conditions
     assert c["claim/trace_beats_neg_ppl/mde"] == pytest.approx(0.28)
     assert c["claim/trace_beats_neg_ppl/pairs"] == 8
-    # a CI that holds 0 and the paper's effect: inconclusive
+    # a CI that holds 0 and the paper's effect: inconclusive, not beside the paper's effect
     c = correlation_claims(_cor(**{"diff_ci_high/neg_ppl": 0.5}), cfg)
     assert c["claim/trace_beats_neg_ppl/verdict"] == 0.0
+    assert not read_claim(c, "claim/trace_beats_neg_ppl").excludes_paper_effect
     assert c["claim/trace_correlates/verdict"] == 1.0          # r's own CI [0.6, 0.99] > 0
     assert c["claim/trace_correlates/paper_effect"] == 0.74
     # r's own CI touching 0: not reproduced; no bootstrap (no CI) cannot pass a claim
