@@ -165,6 +165,28 @@ def verdict(low: float, high: float, direction: int = 1) -> int:
     return 0
 
 
+def noninferiority(low: float, high: float, margin: float, direction: int = 1) -> int:
+    """The claim rule for a paper that says the method does *not lose* to the baseline ("POPE
+    F1 does not fall"), on the paired 95% CI [low, high] of (method - baseline), with the same
+    codes as `verdict`: +1 reproduced when the whole CI lies above -margin (any loss is smaller
+    than the margin), -1 contradicted when the whole CI lies below -margin (a loss larger than
+    the margin), 0 inconclusive otherwise (or with no CI). `direction` -1 is for a value where
+    lower is better: the bounds are mirrored (+margin). The margin is the largest loss taken as
+    'no loss'; it is set before the run, in params.yaml, never from the data."""
+    if direction not in (1, -1):
+        raise ValueError(f"direction must be +1 or -1, not {direction!r}")
+    if not (math.isfinite(margin) and margin >= 0):
+        raise ValueError(f"a non-inferiority margin must be a finite number >= 0, got {margin!r}")
+    if not (math.isfinite(low) and math.isfinite(high)):
+        return 0
+    low, high = (low, high) if direction > 0 else (-high, -low)
+    if low > -margin:
+        return 1
+    if high < -margin:
+        return -1
+    return 0
+
+
 @dataclass(frozen=True)
 class Claim:
     """One claim tested on paired values: the difference, its CI, the verdict and the MDE."""

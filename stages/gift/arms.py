@@ -1,8 +1,9 @@
 """The four GIFT arms on a tiny VLM (GIFT spec §4), batched: what `calibrate` and `decode` run.
 
 - `greedy`: plain greedy decoding;
-- `vaf`: the VAF-like baseline, visual attention x (1 + alpha) in every head of the enhancement
-  layers (`gift.vaf_row`), then renormalised;
+- `vaf`: the VAF-like baseline, each visual token's attention a_j x (1 + alpha * a_j) in every
+  head of the enhancement layers (`gift.vaf_row`), then renormalised: the boost grows with the
+  token's own attention, so the sink gains most;
 - `gift_visual`: GIFT without the query rescaling (the paper's "visual-only" ablation);
 - `gift`: full GIFT (`gift.enhance_row`).
 

@@ -7,7 +7,8 @@ split, not on the test split." Per `vlm-shapes` seed:
 1. L_s / L_e: the gaze shift of every layer summed over the validation caption prompts
    (`gift.positive_change_per_layer`), then `gift.choose_layers`.
 2. alpha per hooked arm (vaf, gift_visual, gift): caption every validation image at each alpha
-   of the grid; keep the alpha with the lowest CHAIR_S among those whose object recall stays
+   of the arm's grid (`alpha_grid` for GIFT's exponent, `vaf_alpha_grid` for VAF's factor on
+   attention weights in [0, 1]); keep the alpha with the lowest CHAIR_S among those whose object recall stays
    within `recall_tolerance` of greedy's [ours]: without it, an alpha that makes captions
    shorter (fewer mentions, so fewer hallucinations) would win. Ties go to the smaller alpha.
 
@@ -22,7 +23,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from stages.gift import arms as gift_arms
 
@@ -37,7 +38,12 @@ class Config(BaseModel):
     split: str = Field("val", description="the validation split (never test)")
     max_rows: int | None = Field(None, ge=1, description="use at most this many images")
     alpha_grid: list[float] = Field(default_factory=lambda: [1.0, 2.0, 3.0, 5.0, 7.0],
-                                    min_length=1, description="alpha values tried per arm")
+                                    min_length=1,
+                                    description="GIFT's alpha values (m = exp(alpha s_hat))")
+    vaf_alpha_grid: list[float] = Field(
+        default_factory=lambda: [3.0, 10.0, 30.0, 100.0, 300.0], min_length=1,
+        description="VAF's alpha values (a_j (1 + alpha a_j)): alpha scales attention weights in "
+                    "[0, 1], about 0.01 per patch and 0.04 per sink here [ours]")
     enhance_fraction: float = Field(0.4, gt=0, le=1, description="L_e: this share of the layers")
     window: tuple[float, float] = Field((0.25, 0.75), description="L_s: middle-layer window")
     recall_tolerance: float = Field(0.1, ge=0, le=1,
@@ -54,11 +60,11 @@ class Config(BaseModel):
             raise ValueError("alpha is chosen on a validation split, never on test (GIFT spec §4)")
         return v
 
-    @field_validator("alpha_grid")
+    @field_validator("alpha_grid", "vaf_alpha_grid")
     @classmethod
-    def _alphas(cls, v: list[float]) -> list[float]:
+    def _alphas(cls, v: list[float], info: ValidationInfo) -> list[float]:
         if any(a < 0 or not math.isfinite(a) for a in v):
-            raise ValueError(f"alpha_grid {v}: every alpha must be a finite number >= 0")
+            raise ValueError(f"{info.field_name} {v}: every alpha must be a finite number >= 0")
         return sorted(set(v))
 
 
@@ -115,7 +121,8 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
         greedy = captions("greedy", 0.0)
         metrics.update({f"{key}/greedy/{k}": v for k, v in greedy.items()})
         for arm in gift_arms.HOOKED:
-            results = {alpha: captions(arm, alpha) for alpha in cfg.alpha_grid}
+            grid = cfg.vaf_alpha_grid if arm == "vaf" else cfg.alpha_grid
+            results = {alpha: captions(arm, alpha) for alpha in grid}
             for alpha, r in results.items():
                 metrics.update({f"{key}/{arm}/alpha{alpha:g}/{k}": v for k, v in r.items()})
             best = pick_alpha(results, greedy["recall"], cfg.recall_tolerance)

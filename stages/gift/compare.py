@@ -1,18 +1,22 @@
 """Stage `compare` of GIFT: the arms side by side and the paper's claims by the house rule.
 
 Pairs are (seed, test image): the same image captioned / questioned by both arms on the same
-checkpoint, pooled over the `vlm-shapes` seeds. Each claim is a paired percentile bootstrap 95%
-CI over those pairs (`hallucination.paired_ratio_bootstrap`: CHAIR_S, CHAIR_I and POPE F1 are
-ratios of sums, resampled image by image on both sides), turned into a verdict by
-`stats.claim_from_ci` (reproduced / contradicted / inconclusive, with the MDE).
+checkpoint. Each claim is a paired percentile bootstrap 95% CI (`stratified_ratio_bootstrap`:
+CHAIR_S, CHAIR_I and POPE F1 are ratios of sums over all seeds; each draw resamples the images
+within each seed separately, the same draw on both arms, so every seed keeps its number of
+pairs), turned into a verdict (reproduced / contradicted / inconclusive, with the MDE): by
+`stats.verdict` for "lower" / "higher" claims, by `stats.noninferiority` with the margin
+`pope_margin` for "does not fall" claims.
 
 Claims (GIFT, arXiv 2510.22067; numbers [secondary], GIFT spec §1):
 - CHAIR_S falls relative to greedy: paper -20.7% (50.2 -> 39.8, LLaVA-1.5-7B);
 - CHAIR_I falls relative to greedy: paper -31% (15.4 -> 10.6);
 - GIFT beats VAF on CHAIR_S: paper -19.8% (VAF 49.6 -> GIFT 39.8);
 - the spec's predicted order on hallucination, full GIFT < visual-only < VAF (no number);
-- POPE F1 does not fall (paper +1.4 points, 82.4 -> 83.8), per negative kind; not tested
-  (`pope_constant_answers` = 1) when greedy gives one answer to every question in every seed.
+- POPE F1 does not fall (paper +1.4 points, 82.4 -> 83.8), per negative kind: a
+  non-inferiority claim, reproduced when the CI of GIFT - greedy F1 lies above -`pope_margin`;
+  not tested (`pope_constant_answers` = 1) when greedy gives one answer to every question in
+  every seed.
 
 Outputs: the README table (`results_table`), `<report>/samples.png` (test images with each
 arm's caption, first seed).
@@ -22,7 +26,9 @@ arm's caption, first seed).
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -30,25 +36,29 @@ from pydantic import BaseModel, ConfigDict, Field
 from stages.core import stats
 from stages.gift import arms as gift_arms
 
-# name -> (method arm, baseline arm, statistic, relative, direction, paper effect, text)
-CLAIMS: dict[str, tuple[str, str, str, bool, int, float | None, str]] = {
-    "chair_s_vs_greedy": ("gift", "greedy", "chair_sentence", True, -1, -0.207,
+# name -> (method arm, baseline arm, statistic, relative, direction, rule, paper effect, text).
+# rule "differs": the house rule (`stats.verdict`, the CI excludes 0 in `direction`);
+# "noninferior": the paper says the value does not get worse (`stats.noninferiority`, margin
+# `Config.pope_margin`); the paper effect is then what the paper observed, for reference.
+CLAIMS: dict[str, tuple[str, str, str, bool, int, str, float | None, str]] = {
+    "chair_s_vs_greedy": ("gift", "greedy", "chair_sentence", True, -1, "differs", -0.207,
                           "GIFT lowers CHAIR_S relative to greedy"),
-    "chair_i_vs_greedy": ("gift", "greedy", "chair_instance", True, -1, -0.312,
+    "chair_i_vs_greedy": ("gift", "greedy", "chair_instance", True, -1, "differs", -0.312,
                           "GIFT lowers CHAIR_I relative to greedy"),
-    "chair_s_vs_vaf": ("gift", "vaf", "chair_sentence", True, -1, -0.198,
+    "chair_s_vs_vaf": ("gift", "vaf", "chair_sentence", True, -1, "differs", -0.198,
                        "GIFT lowers CHAIR_S relative to VAF"),
-    "chair_s_vs_visual_only": ("gift", "gift_visual", "chair_sentence", True, -1, None,
-                               "full GIFT < visual-only on CHAIR_S (query rescaling helps)"),
-    "chair_s_visual_only_vs_vaf": ("gift_visual", "vaf", "chair_sentence", True, -1, None,
-                                   "visual-only < VAF on CHAIR_S (saliency beats a uniform "
-                                   "boost)"),
-    "pope_random_f1": ("gift", "greedy", "pope_random_f1", False, 1, 0.014,
+    "chair_s_vs_visual_only": ("gift", "gift_visual", "chair_sentence", True, -1, "differs",
+                               None, "full GIFT < visual-only on CHAIR_S (query rescaling "
+                               "helps)"),
+    "chair_s_visual_only_vs_vaf": ("gift_visual", "vaf", "chair_sentence", True, -1, "differs",
+                                   None, "visual-only < VAF on CHAIR_S (saliency beats an "
+                                   "attention-proportional boost)"),
+    "pope_random_f1": ("gift", "greedy", "pope_random_f1", False, 1, "noninferior", 0.014,
                        "POPE F1 (random) does not fall"),
-    "pope_popular_f1": ("gift", "greedy", "pope_popular_f1", False, 1, 0.014,
+    "pope_popular_f1": ("gift", "greedy", "pope_popular_f1", False, 1, "noninferior", 0.014,
                         "POPE F1 (popular) does not fall"),
-    "pope_adversarial_f1": ("gift", "greedy", "pope_adversarial_f1", False, 1, 0.014,
-                            "POPE F1 (adversarial) does not fall"),
+    "pope_adversarial_f1": ("gift", "greedy", "pope_adversarial_f1", False, 1, "noninferior",
+                            0.014, "POPE F1 (adversarial) does not fall"),
 }
 COLUMNS = (("chair_sentence", "CHAIR_S ↓"), ("chair_instance", "CHAIR_I ↓"),
            ("caption_recall", "object recall"), ("caption_f1", "object F1"),
@@ -63,6 +73,10 @@ class Config(BaseModel):
     data: str = Field("vlm_data", description="path key: the vlm task folder (sample figure)")
     report: str = Field("gift_report", description="path key: PNG figures")
     draws: int = Field(2000, ge=100, le=100_000, description="bootstrap resamples per claim")
+    pope_margin: float = Field(0.01, ge=0, le=0.2,
+                               description="non-inferiority margin of the POPE claims: F1 'does "
+                                           "not fall' when GIFT - greedy > -margin over the "
+                                           "whole CI [reconstructed]")
     sample_images: int = Field(4, ge=0, le=16, description="test images in samples.png")
 
 
@@ -89,20 +103,73 @@ def ratio_columns(captions: Any, pope: Any, arm: str, statistic: str) -> tuple[A
     return keys, agg["num"].to_numpy(), agg["den"].to_numpy()
 
 
-def claim_for(captions: Any, pope: Any, method: str, baseline: str, statistic: str,
-               relative: bool, direction: int, paper: float | None, draws: int
-               ) -> stats.Claim:
-    from stages.evaluate.hallucination import paired_ratio_bootstrap
+def stratified_ratio_bootstrap(strata: Sequence[Any], num_m: Sequence[float],
+                               den_m: Sequence[float], num_b: Sequence[float],
+                               den_b: Sequence[float], *, relative: bool = False,
+                               draws: int = 2000, seed: int = 0
+                               ) -> tuple[float, float, float, list[float]]:
+    """Paired percentile bootstrap 95% CI of (method - baseline) for a ratio of sums (CHAIR_S,
+    CHAIR_I, POPE F1), stratified by `strata` (the seed of each pair): each draw resamples the
+    pairs *within each stratum*, with replacement and as many as it has, recomputes both ratios
+    over all strata, and uses the same draw on both sides (same image, same seed). Pooling the
+    (seed, image) pairs as one sample would let a draw hold more pairs of one seed than another,
+    mixing seed-to-seed differences into the spread as if they were image noise.
+    -> (difference, low, high, per-pair differences), as `hallucination.paired_ratio_bootstrap`
+    (the per-pair linearisation n (num_m_i / sum den_m - num_b_i / sum den_b), for the MDE;
+    relative: all divided by the baseline's ratio, per draw for the CI)."""
+    import numpy as np
 
+    arrays = [np.asarray(a, dtype=float) for a in (num_m, den_m, num_b, den_b)]
+    n = len(arrays[0])
+    if n == 0 or any(len(a) != n for a in arrays) or len(strata) != n:
+        raise ValueError(f"paired ratios need five equally long non-empty columns (strata, "
+                         f"num_m, den_m, num_b, den_b), got "
+                         f"{[len(strata)] + [len(a) for a in arrays]}")
+    nm, dm, nb, db = arrays
+
+    def ratio(num: Any, den: Any) -> Any:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(den > 0, num / np.where(den > 0, den, 1.0), np.nan)
+
+    rng = np.random.default_rng(seed)
+    labels = np.asarray(list(strata))
+    idx = np.concatenate([pos[rng.integers(0, len(pos), size=(draws, len(pos)))]
+                          for pos in (np.flatnonzero(labels == s) for s in np.unique(labels))],
+                         axis=1)                                      # (draws, n)
+    base = float(ratio(nb.sum(), db.sum()))
+    diff = float(ratio(nm.sum(), dm.sum())) - base
+    b = ratio(nb[idx].sum(1), db[idx].sum(1))
+    d = ratio(nm[idx].sum(1), dm[idx].sum(1)) - b
+    per_pair = n * (ratio(nm, dm.sum()) - ratio(nb, db.sum()))
+    if relative:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            d = np.where(b != 0, d / np.where(b != 0, b, 1.0), np.nan)
+        diff = diff / base if base else math.nan
+        per_pair = per_pair / base if base else per_pair * math.nan
+    d = np.sort(d[np.isfinite(d)])
+    if not len(d):
+        return diff, math.nan, math.nan, [float(x) for x in per_pair]
+    low, high = d[int(0.025 * (len(d) - 1))], d[int(0.975 * (len(d) - 1))]
+    return diff, float(low), float(high), [float(x) for x in per_pair]
+
+
+def claim_for(captions: Any, pope: Any, method: str, baseline: str, statistic: str,
+              relative: bool, direction: int, paper: float | None, draws: int,
+              margin: float | None = None) -> stats.Claim:
+    """One claim on the (seed, image) pairs of two arms: the house rule (`stats.verdict`) or,
+    with a `margin`, non-inferiority (`stats.noninferiority`)."""
     km, nm, dm = ratio_columns(captions, pope, method, statistic)
     kb, nb, db = ratio_columns(captions, pope, baseline, statistic)
     if km != kb:
         raise ValueError(f"arms {method!r} and {baseline!r} cover different (seed, image) pairs: "
                          f"decode them on the same seeds and images")
-    diff, low, high, per_pair = paired_ratio_bootstrap(nm, dm, nb, db, relative=relative,
-                                                       draws=draws)
-    return stats.claim_from_ci(diff, low, high, diffs=per_pair, direction=direction,
-                               paper_effect=paper)
+    diff, low, high, per_pair = stratified_ratio_bootstrap(
+        [seed for seed, _ in km], nm, dm, nb, db, relative=relative, draws=draws)
+    c = stats.claim_from_ci(diff, low, high, diffs=per_pair, direction=direction,
+                            paper_effect=paper)
+    if margin is None:
+        return c
+    return dataclasses.replace(c, verdict=stats.noninferiority(low, high, margin, direction))
 
 
 def constant_answers(pope: Any, arm: str = "greedy") -> bool:
@@ -176,13 +243,17 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     metrics["sink_share_mean"] = stats.mean_std(shares)[0]
     pope_constant = constant_answers(pope)
     metrics["pope_constant_answers"] = float(pope_constant)
-    for name, (method, baseline, statistic, relative, direction, paper, _) in CLAIMS.items():
+    for name, (method, baseline, statistic, relative, direction, rule, paper, _
+               ) in CLAIMS.items():
         if pope_constant and statistic.startswith("pope_"):
             print(f"compare: {name}: not tested (greedy answers every question the same)")
             continue
+        margin = cfg.pope_margin if rule == "noninferior" else None
         c = claim_for(captions, pope, method, baseline, statistic, relative, direction, paper,
-                       cfg.draws)
+                      cfg.draws, margin)
         metrics.update(stats.claim_metrics(c, f"claim/{name}"))
+        if margin is not None:
+            metrics[f"claim/{name}/margin"] = margin
         print(f"compare: {name}: {c.sentence()}")
     if cfg.sample_images:
         report = ctx.path(cfg.report)
@@ -227,15 +298,21 @@ def results_table(metrics: dict[str, dict[str, Any]]) -> str:
                      + " | ".join(cells) + " |")
     lines += ["", f"Share of the greedy output tokens' visual attention on the 2 sink tokens: "
                   f"{m.get('sink_share_mean', math.nan):.3f} (mean over seeds).", "",
-              "| claim | paired 95% CI over (seed, image) pairs |", "|---|---|"]
+              "| claim | paired 95% CI over (seed, image) pairs, stratified by seed |", "|---|---|"]
     for name, (*_, text) in CLAIMS.items():
         c = stats.read_claim(m, f"claim/{name}")
+        margin = m.get(f"claim/{name}/margin")
+        if margin is not None:
+            text += f" (non-inferiority, margin {margin:g})"
         if c is not None:
             lines.append(f"| {text} | {c.sentence()} |")
         elif m.get("pope_constant_answers") and name.startswith("pope_"):
             lines.append(f"| {text} | **not tested**: greedy gives one answer to every yes/no "
                          "question in every seed, so POPE cannot move |")
     lines += ["", "CHAIR claims are relative changes ((method − baseline) / baseline), POPE "
-                  "claims differences in F1. A cell marked (k/n) is over the k of n seeds where "
-                  "the value is defined (POPE F1 is not where a model never answers yes).", ""]
+                  "claims differences in F1; CIs resample the images within each seed. A POPE "
+                  "claim is reproduced when the whole CI lies above −margin (F1 does not fall by "
+                  "more than the margin), contradicted when it lies below. A cell marked (k/n) "
+                  "is over the k of n seeds where the value is defined (POPE F1 is not where a "
+                  "model never answers yes).", ""]
     return "\n".join(lines)

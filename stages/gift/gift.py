@@ -23,8 +23,8 @@ Phase 2, at every decoding step, in enhancement layers L_e, on the last position
 the ratio r = (boosted visual mass) / (original visual mass) of those heads (one scalar per
 layer), multiply the query attention of the floor(H/2) most query-attending heads by r so the
 two modalities stay balanced, renormalise the row, and mix the values with it as usual.
-Ablation arms: `visual_only` (no query rescaling) and `vaf_row` (ClearSight-style boost of all
-visual attention in proportion to its score).
+Ablation arms: `visual_only` (no query rescaling) and `vaf_row` (ClearSight-style boost of each
+visual token's attention in proportion to that attention, a_j (1 + alpha a_j)).
 
 Where this departs from the official code:
 - L_s / L_e are hard-coded per model there (LLaVA-7B: 11 / 12-22); `choose_layers` applies the
@@ -213,15 +213,20 @@ def enhance_row(a: torch.Tensor, m: torch.Tensor, spans: Spans, visual_only: boo
 
 
 def vaf_row(a: torch.Tensor, spans: Spans, alpha: float) -> torch.Tensor:
-    """VAF-like baseline (ClearSight): visual attention raised in proportion to its own score,
-    a_j + alpha * |a_j| in every head, then renormalised. It boosts the attention sink as much as
-    any other visual token (in share) and leaves the query unbalanced: what GIFT argues against.
-    ClearSight adds alpha * |attention| to the visual attention; it is applied here to the same
-    post-softmax row, layers and steps as GIFT, so the arms differ only in what they boost."""
+    """VAF-like baseline (ClearSight; GIFT spec §4, arm 2): every visual token's post-softmax
+    attention a_j scaled by (1 + alpha * a_j), in every head, then the row renormalised to sum
+    to 1 (spec §6: scale probabilities, then renormalise). The boost is proportional to the
+    token's own attention, so the high-attention sink is boosted *most*: with visual (0.5 sink,
+    0.1) and query 0.4 at alpha = 1 the row becomes (0.75, 0.11, 0.4) / 1.26 and the sink's share
+    of the visual attention rises from 0.833 to 0.872. That, and the unrebalanced query, is what
+    GIFT argues against. Applied to the same rows, layers and steps as GIFT, so the arms differ
+    only in what they boost. alpha multiplies weights in [0, 1], so its useful range is far
+    larger than GIFT's exponent (calibrate's `vaf_alpha_grid`)."""
     if alpha < 0:
         raise ValueError(f"alpha must be >= 0, got {alpha}")
     a = a.float().clone()
-    a[:, spans.visual] = a[:, spans.visual] + alpha * a[:, spans.visual].abs()
+    visual = a[:, spans.visual]
+    a[:, spans.visual] = visual * (1 + alpha * visual)   # spec §4: x (1 + alpha * A)
     return a / a.sum(-1, keepdim=True)
 
 

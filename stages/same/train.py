@@ -270,8 +270,11 @@ def train_task(vlm: Any, layers: list[same.MoELoRAMLP], data: TaskData, cfg: Con
                     keep.append((p, frozen, p.detach()[frozen].clone()))
                     if p.grad is not None:
                         p.grad[frozen] = 0
+        routers = [layer.router.detach().clone() for layer in layers] if hist else []
         opt.step()
         sched.step()
+        for layer, h, before in zip(layers, hist or [], routers):
+            same.project_router_update(layer, before, h, cfg.method)
         with torch.no_grad():
             for p, frozen, old in keep:
                 p[frozen] = old
@@ -312,6 +315,7 @@ def run_sequence(vlm: Any, arm: str, adapter: same.Adapter, order: list[str],
                     fr.reset(t)
             # the same batches for every arm: the generator depends on (seed, order, task) only
             g = torch.Generator().manual_seed(10_000 * seed + 100 * order_idx + t)
+            torch.manual_seed(10_000 * seed + 100 * order_idx + t)   # the same dropout masks too
             loss, share = train_task(vlm, layers, data[task]["train"], cfg, params, g,
                                      cfg.steps, cfg.lr, hist=hist, freezers=freezers)
             frozen.append(share)

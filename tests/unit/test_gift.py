@@ -114,11 +114,26 @@ def test_visual_only_leaves_the_query_to_renormalisation_alone():
     assert torch.allclose(row.sum(-1), torch.ones(2), atol=1e-6)
 
 
-def test_vaf_row_boosts_all_visual_attention_in_proportion():
+def test_vaf_row_scales_each_visual_token_by_one_plus_alpha_times_its_attention():
     row = gift.vaf_row(ROW, SPANS6, alpha=1.0)
-    head0 = torch.tensor([0.1, 0.6, 0.2, 0.2, 0.2, 0.2]) / 1.5
-    head1 = torch.tensor([0.35, 0.2, 0.2, 0.0, 0.15, 0.3]) / 1.2
+    # spec §4: a_j (1 + alpha a_j). head 0: (0.3, 0.1, 0.1) -> (0.39, 0.11, 0.11), row sum 1.11
+    head0 = torch.tensor([0.1, 0.39, 0.11, 0.11, 0.2, 0.2]) / 1.11
+    # head 1: (0.1, 0.1, 0.0) -> (0.11, 0.11, 0.0), row sum 1.02
+    head1 = torch.tensor([0.35, 0.11, 0.11, 0.0, 0.15, 0.3]) / 1.02
     assert torch.allclose(row, torch.stack([head0, head1]).float(), atol=1e-6)
+
+
+def test_vaf_row_boosts_the_sink_most_the_reviewers_hand_case():
+    # one head, [sink 0][patch 1][query 2]: visual (0.5, 0.1), query 0.4, alpha = 1
+    a = torch.tensor([[0.5, 0.1, 0.4]])
+    row = gift.vaf_row(a, Spans(v0=0, v1=1, q0=2, q1=2), alpha=1.0)
+    boosted = torch.tensor([[0.75, 0.11, 0.4]])                # before renormalising
+    assert torch.allclose(row, boosted / 1.26, atol=1e-6)
+    share = (row[0, 0] / row[0, :2].sum()).item()
+    assert 0.5 / 0.6 == pytest.approx(0.833, abs=1e-3)         # the sink's share before
+    assert share == pytest.approx(0.75 / 0.86) and share == pytest.approx(0.872, abs=1e-3)
+    # a uniform factor (the old a + alpha |a|) would have kept the share at 0.833
+    assert torch.equal(gift.vaf_row(a, Spans(v0=0, v1=1, q0=2, q1=2), alpha=0.0), a)
 
 
 def test_enhancement_at_alpha_zero_changes_nothing():
@@ -303,6 +318,12 @@ def test_calibrate_refuses_the_test_split_and_picks_alpha_by_hand():
         calibrate.Config(split="test")
     with pytest.raises(ValidationError, match="finite number >= 0"):
         calibrate.Config(alpha_grid=[1.0, -2.0])
+    with pytest.raises(ValidationError, match="vaf_alpha_grid"):
+        calibrate.Config(vaf_alpha_grid=[math.inf])
+    # VAF's alpha multiplies attention weights in [0, 1] (a patch ~0.01): its grid reaches far
+    # beyond GIFT's exponent grid
+    cfg = calibrate.Config()
+    assert max(cfg.vaf_alpha_grid) * 0.01 >= 1.0 and max(cfg.alpha_grid) <= 7.0
     results = {1.0: {"chair_sentence": 0.5, "recall": 0.80},
                3.0: {"chair_sentence": 0.3, "recall": 0.75},
                5.0: {"chair_sentence": 0.1, "recall": 0.50}}   # fewest hallucinations, says less
@@ -334,3 +355,45 @@ def test_table_cell_says_over_how_many_seeds():
     assert _cell(m, "a/f1", 3) == "0.667 (1/3)"
     assert _cell(m, "b/f1", 3) == "0.500 ± 0.100"
     assert _cell(m, "c/f1", 3) == "undefined"
+
+
+# --- compare: the claims' statistics -------------------------------------------------------------
+
+def test_stratified_bootstrap_keeps_each_seeds_pairs_and_the_pairing():
+    """Seed 0 (3 images): every image's CHAIR-like ratio is 0.5 higher on the method; seed 1 (2
+    images): no difference; the baseline varies image to image. Resampling images within each
+    seed, with the same draw on both arms, every draw's difference is the weighted mean
+    (3 x 0.5 + 2 x 0) / 5 = 0.3 exactly; pooling the pairs lets the seed mix vary."""
+    from stages.evaluate.hallucination import paired_ratio_bootstrap
+    from stages.gift.compare import stratified_ratio_bootstrap
+
+    seeds = [0, 0, 0, 1, 1]
+    nb = [0.0, 1.0, 0.0, 1.0, 2.0]
+    nm = [1.0, 2.0, 1.0, 1.0, 2.0]
+    den = [2.0] * 5
+    diff, low, high, per_pair = stratified_ratio_bootstrap(seeds, nm, den, nb, den, draws=500)
+    assert diff == pytest.approx(0.3) and low == pytest.approx(0.3) and high == pytest.approx(0.3)
+    assert sum(per_pair) / 5 == pytest.approx(0.3)
+    _, pooled_low, pooled_high, _ = paired_ratio_bootstrap(nm, den, nb, den, draws=500)
+    assert pooled_low < 0.3 - 0.05 and pooled_high > 0.3 + 0.05
+    # relative: the point estimate is the difference over the baseline's ratio (4 / 10)
+    rel, *_ = stratified_ratio_bootstrap(seeds, nm, den, nb, den, relative=True, draws=200)
+    assert rel == pytest.approx(0.3 / 0.4)
+    with pytest.raises(ValueError, match="equally long"):
+        stratified_ratio_bootstrap(seeds[:4], nm, den, nb, den)
+
+
+def test_pope_claims_are_noninferiority_claims():
+    from stages.core import stats
+    from stages.gift import compare
+
+    pope = {k: v for k, v in compare.CLAIMS.items() if v[2].startswith("pope_")}
+    assert len(pope) == 3 and all(v[5] == "noninferior" and v[4] == 1 for v in pope.values())
+    assert all(v[5] == "differs" for k, v in compare.CLAIMS.items() if k not in pope)
+    assert compare.Config().pope_margin == 0.01
+    # a tiny F1 loss inside the margin holds; a loss beyond it fails; straddling is open
+    c = stats.claim_from_ci(-0.001, -0.002, -0.0002, n=1500, mde_value=0.002)
+    assert c.verdict == -1                                   # the old "F1 rises" rule
+    assert stats.noninferiority(c.low, c.high, 0.01) == 1    # the paper's "does not fall"
+    assert stats.noninferiority(-0.03, -0.02, 0.01) == -1
+    assert stats.noninferiority(-0.02, 0.01, 0.01) == 0

@@ -153,6 +153,45 @@ def test_projected_router_update_keeps_old_routing():
     assert not torch.allclose(layer.weights(old), before, atol=1e-4)
 
 
+def test_projected_router_update_keeps_old_routing_under_adamw():
+    """AdamW (per-coordinate scaling, weight decay) leaves the subspace that the projected
+    gradient lies in; the projected update keeps old routing to 1e-6 (the check can fail:
+    without `project_router_update` the old routing moves)."""
+    def run(project: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        mlp = _mlp()
+        layer = same.MoELoRAMLP(mlp, same.Adapter(experts=5, rank=2, dropout=0.0,
+                                                  spectral_router=True),
+                                torch.Generator().manual_seed(1))
+        g = torch.Generator().manual_seed(3)
+        basis = torch.linalg.qr(torch.randn(8, 3, generator=g))[0]
+        old = (torch.randn(1, 40, 3, generator=g) @ basis.T)
+        hist = same.History()
+        layer.record = True
+        layer(old)
+        hist.observe(layer.seen, centre=False)
+        hist.end_task(delta=0.999999)
+        before = layer.weights(old).detach().clone()
+        new = torch.randn(1, 10, 8, generator=g)
+        new_before = layer.weights(new).detach().clone()
+        method = same.Method(router_mode="project")
+        opt = torch.optim.AdamW([layer.router], lr=0.05, weight_decay=0.1)
+        for _ in range(20):
+            opt.zero_grad()
+            layer.weights(new)[..., 0].sum().backward()
+            same.apply_gradients(layer, hist, method)
+            prev = layer.router.detach().clone()
+            opt.step()
+            if project:
+                same.project_router_update(layer, prev, hist, method)
+        return layer.weights(old).detach(), before, layer.weights(new).detach(), new_before
+
+    old_w, before, new_w, new_before = run(project=True)
+    assert torch.allclose(old_w, before, atol=1e-6)
+    assert not torch.allclose(new_w, new_before, atol=1e-3)
+    old_w, before, _, _ = run(project=False)
+    assert not torch.allclose(old_w, before, atol=1e-4)
+
+
 def test_freezer_never_freezes_the_current_task_and_stops_when_all_others_are():
     f = same.Freezer(3, same.Method(tau=0.1))
     f.reset(1)

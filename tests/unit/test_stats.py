@@ -146,3 +146,24 @@ def test_identical_differences_get_no_interval_and_no_verdict():
     assert math.isnan(stats.paired_ci([1.0] * 5, [0.5] * 5)[1])
     # one differing pair is enough spread for an interval
     assert stats.claim([0.42, 0.43, 0.44], [0.43, 0.44, 0.43]).low < 0
+
+
+@pytest.mark.parametrize("low, high, direction, expected", [
+    (-0.005, 0.020, 1, 1),      # any loss is under the 0.01 margin: does not fall
+    (0.002, 0.020, 1, 1),       # a gain holds too
+    (-0.030, -0.015, 1, -1),    # the whole CI is a loss beyond the margin
+    (-0.020, 0.005, 1, 0),      # straddles -margin
+    (-0.010, 0.005, 1, 0),      # touching -margin is not above it
+    (-0.020, 0.005, -1, 1),     # lower is better: mirrored, every rise is under +0.01
+    (0.015, 0.030, -1, -1),     # lower is better: a rise beyond the margin
+    (math.nan, math.nan, 1, 0),
+])
+def test_noninferiority_rule_by_hand(low, high, direction, expected):
+    assert stats.noninferiority(low, high, 0.01, direction) == expected
+
+
+def test_noninferiority_refuses_bad_margin_and_direction():
+    with pytest.raises(ValueError, match="margin"):
+        stats.noninferiority(-0.1, 0.1, -0.01)
+    with pytest.raises(ValueError, match="direction"):
+        stats.noninferiority(-0.1, 0.1, 0.01, direction=0)
