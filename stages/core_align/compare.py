@@ -36,18 +36,35 @@ LABELS = {"base": "vlm-text as it is (zero-shot)", "text_sft": "text SFT (upper 
           "visual_grpo": "visual GRPO", "core_grpo": "CoRe-RL (visual GRPO + text anchor)"}
 PAPER_GAP_RECOVERY = 0.70          # "recovers up to 70% of the gap" [paper, abstract]
 
-# name -> (method arm, its modality, baseline arm, its modality, text)
-CLAIMS: dict[str, tuple[str, str, str, str, str]] = {
-    "transfer_failure": ("text_sft", "text", "visual_sft", "image",
+# name -> (method arm, its modality, baseline arm, its modality, statistic, direction, text);
+# statistic: `correct` (greedy accuracy) or `nll` (the reference answer's mean NLL per token,
+# teacher-forced: graded where accuracy sits at the floor; lower is better, direction -1)
+CLAIMS: dict[str, tuple[str, str, str, str, str, int, str]] = {
+    "transfer_failure": ("text_sft", "text", "visual_sft", "image", "correct", 1,
                          "transfer failure: text SFT (read on text) beats visual SFT (read on "
                          "the page)"),
-    "core_sft_vs_visual_sft": ("core_sft", "image", "visual_sft", "image",
+    "core_sft_vs_visual_sft": ("core_sft", "image", "visual_sft", "image", "correct", 1,
                                "CoRe-SFT beats visual SFT on the page"),
-    "core_grpo_vs_visual_grpo": ("core_grpo", "image", "visual_grpo", "image",
+    "core_grpo_vs_visual_grpo": ("core_grpo", "image", "visual_grpo", "image", "correct", 1,
                                  "CoRe-RL (text anchor) beats visual GRPO on the page"),
+    "transfer_failure_nll": ("text_sft", "text", "visual_sft", "image", "nll", -1,
+                             "answer NLL: text SFT on text below visual SFT on the page"),
+    "core_sft_vs_visual_sft_nll": ("core_sft", "image", "visual_sft", "image", "nll", -1,
+                                   "answer NLL on the page: CoRe-SFT below visual SFT"),
+    "core_grpo_vs_visual_grpo_nll": ("core_grpo", "image", "visual_grpo", "image", "nll", -1,
+                                     "answer NLL on the page: CoRe-RL below visual GRPO"),
 }
-RECOVERY = {"gap_recovery_sft": ("core_sft", "CoRe-SFT recovers part of the text-vs-visual gap"),
-            "gap_recovery_grpo": ("core_grpo", "CoRe-RL recovers part of the text-vs-visual gap")}
+# name -> (arm, statistic, text)
+RECOVERY = {
+    "gap_recovery_sft": ("core_sft", "correct",
+                         "CoRe-SFT recovers part of the text-vs-visual accuracy gap"),
+    "gap_recovery_grpo": ("core_grpo", "correct",
+                          "CoRe-RL recovers part of the text-vs-visual accuracy gap"),
+    "gap_recovery_sft_nll": ("core_sft", "nll",
+                             "CoRe-SFT recovers part of the text-vs-visual answer-NLL gap"),
+    "gap_recovery_grpo_nll": ("core_grpo", "nll",
+                              "CoRe-RL recovers part of the text-vs-visual answer-NLL gap"),
+}
 
 
 class Config(BaseModel):
@@ -60,12 +77,13 @@ class Config(BaseModel):
     draws: int = Field(2000, ge=100, le=100_000, description="bootstrap resamples per claim")
 
 
-def correctness(answers: Any, arm: str, modality: str) -> dict[tuple[int, str], float]:
-    """{(seed, item): 0/1} of one arm reading one modality."""
+def correctness(answers: Any, arm: str, modality: str, statistic: str = "correct"
+                ) -> dict[tuple[int, str], float]:
+    """{(seed, item): value} of one arm reading one modality (0/1, or the answer's NLL)."""
     import polars as pl
 
     rows = answers.filter((pl.col("arm") == arm) & (pl.col("modality") == modality))
-    return {(s, i): float(c) for s, i, c in zip(rows["seed"], rows["item"], rows["correct"])}
+    return {(s, i): float(c) for s, i, c in zip(rows["seed"], rows["item"], rows[statistic])}
 
 
 def paired(a: dict, b: dict, what: str) -> tuple[list[float], list[float]]:
@@ -77,21 +95,23 @@ def paired(a: dict, b: dict, what: str) -> tuple[list[float], list[float]]:
 
 
 def accuracy_claim(answers: Any, method: str, m_mod: str, baseline: str, b_mod: str,
-                   draws: int) -> stats.Claim:
-    m, b = paired(correctness(answers, method, m_mod), correctness(answers, baseline, b_mod),
-                  f"{method} vs {baseline}")
-    return stats.claim(m, b, direction=1, method_ci="bootstrap", draws=draws)
+                   draws: int, statistic: str = "correct", direction: int = 1) -> stats.Claim:
+    m, b = paired(correctness(answers, method, m_mod, statistic),
+                  correctness(answers, baseline, b_mod, statistic), f"{method} vs {baseline}")
+    return stats.claim(m, b, direction=direction, method_ci="bootstrap", draws=draws)
 
 
-def recovery_claim(answers: Any, arm: str, draws: int) -> tuple[stats.Claim, Any]:
+def recovery_claim(answers: Any, arm: str, draws: int, statistic: str = "correct"
+                   ) -> tuple[stats.Claim, Any]:
     """Gap recovery of `arm` on the page with its paired item bootstrap CI, as a Claim (verdict
     on the CI vs 0, the house rule; the paper's 0.70 beside it, a best case: "up to"); MDE: the
-    accuracy MDE of (arm - visual SFT) over the gap."""
+    accuracy MDE of (arm - visual SFT) over the gap. `nll`: the same on -NLL."""
     from stages.core_align.core import gap_recovery_ci
 
-    core = correctness(answers, arm, "image")
-    visual = correctness(answers, "visual_sft", "image")
-    text = correctness(answers, "text_sft", "text")
+    sign = -1.0 if statistic == "nll" else 1.0          # NLL: lower is better
+    core, visual, text = ({k: sign * v for k, v in correctness(answers, a, m, statistic).items()}
+                          for a, m in ((arm, "image"), ("visual_sft", "image"),
+                                       ("text_sft", "text")))
     c, v = paired(core, visual, f"{arm} vs visual_sft")
     _, t = paired(core, text, f"{arm} vs text_sft")
     g = gap_recovery_ci(c, v, t, draws=draws)
@@ -154,25 +174,28 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
                                  "items": float(answers["item"].n_unique())}
     sft = ctx.stage_metrics("sft")
     metrics["chars_per_visual_token"] = sft["chars_per_visual_token"]
-    per_seed = answers.group_by("arm", "modality", "seed").agg(pl.col("correct").mean())
+    per_seed = answers.group_by("arm", "modality", "seed").agg(pl.col("correct", "nll").mean())
     per_kind = answers.group_by("arm", "modality", "kind").agg(pl.col("correct").mean())
     for arm in (a for a in ARM_ORDER if a in present):
         for mod in MODALITIES:
             vals = per_seed.filter((pl.col("arm") == arm) & (pl.col("modality") == mod))
             metrics[f"{arm}/{mod}_mean"], metrics[f"{arm}/{mod}_std"] = \
                 stats.mean_std(vals["correct"].to_list())
+            metrics[f"{arm}/{mod}_nll_mean"], metrics[f"{arm}/{mod}_nll_std"] = \
+                stats.mean_std(vals["nll"].to_list())
             for kind, acc in per_kind.filter((pl.col("arm") == arm)
                                              & (pl.col("modality") == mod)).select(
                                                  "kind", "correct").iter_rows():
                 metrics[f"{arm}/{mod}_{kind}"] = acc
-    for name, (method, m_mod, baseline, b_mod, _) in CLAIMS.items():
+    for name, (method, m_mod, baseline, b_mod, statistic, direction, _) in CLAIMS.items():
         if {method, baseline} <= present:
-            c = accuracy_claim(answers, method, m_mod, baseline, b_mod, cfg.draws)
+            c = accuracy_claim(answers, method, m_mod, baseline, b_mod, cfg.draws, statistic,
+                               direction)
             metrics.update(stats.claim_metrics(c, f"claim/{name}"))
             print(f"compare: {name}: {c.sentence()}")
-    for name, (arm, _) in RECOVERY.items():
+    for name, (arm, statistic, _) in RECOVERY.items():
         if arm in present:
-            c, g = recovery_claim(answers, arm, cfg.draws)
+            c, g = recovery_claim(answers, arm, cfg.draws, statistic)
             metrics.update(stats.claim_metrics(c, f"claim/{name}"))
             metrics[f"claim/{name}/gap"] = g.gap
             print(f"compare: {name}: {g.describe()} -> {c.sentence('{:+.2f}')}")
@@ -188,6 +211,7 @@ def headline(metrics: dict[str, float]) -> dict[str, float]:
     out = stats.verdict_counts(metrics)
     for key, name in (("claim/gap_recovery_sft/diff", "gap_recovery_sft"),
                       ("claim/gap_recovery_grpo/diff", "gap_recovery_grpo"),
+                      ("claim/gap_recovery_sft_nll/diff", "gap_recovery_sft_nll"),
                       ("chars_per_visual_token", "chars_per_visual_token"),
                       ("text_sft/text_mean", "text_sft_text"),
                       ("visual_sft/image_mean", "visual_sft_image"),
@@ -214,27 +238,32 @@ def results_table(metrics: dict[str, dict[str, Any]]) -> str:
     lines = [f"Test split ({int(m.get('items', 0))} items), greedy answers, mean ± std over "
              f"{n_seeds} `vlm-text` seeds; {m.get('chars_per_visual_token', math.nan):.1f} "
              f"characters per visual token (compression ratio).", "",
-             "| arm | on the page | on the text | page: kv | page: arith | page: table |",
-             "|---|---|---|---|---|---|"]
+             "| arm | accuracy on the page | accuracy on the text | page: kv | page: arith | "
+             "page: table | answer NLL, page | answer NLL, text |",
+             "|---|---|---|---|---|---|---|---|"]
     for arm in arms:
         kinds = [m.get(f"{arm}/image_{k}") for k in ("kv", "arith", "table")]
         lines.append(f"| {LABELS[arm]} | {_cell(m, f'{arm}/image', n_seeds)} | "
                      f"{_cell(m, f'{arm}/text', n_seeds)} | "
-                     + " | ".join("—" if v is None else f"{v:.3f}" for v in kinds) + " |")
+                     + " | ".join("—" if v is None else f"{v:.3f}" for v in kinds) + " | "
+                     f"{_cell(m, f'{arm}/image_nll', n_seeds)} | "
+                     f"{_cell(m, f'{arm}/text_nll', n_seeds)} |")
     lines += ["", "| claim | paired 95% CI over (seed, item) pairs |", "|---|---|"]
     for name, (*_, text) in CLAIMS.items():
         c = stats.read_claim(m, f"claim/{name}")
         if c is not None:
             lines.append(f"| {text} | {c.sentence()} |")
-    for name, (arm, text) in RECOVERY.items():
+    for name, (arm, _, text) in RECOVERY.items():
         c = stats.read_claim(m, f"claim/{name}")
         if c is not None:
             gap = m.get(f"claim/{name}/gap", math.nan)
             extra = ("undefined: text SFT does not beat visual SFT" if not math.isfinite(c.diff)
                      else c.sentence("{:+.2f}").replace("paper: +0.70", "paper: up to 0.70"))
             lines.append(f"| {text} (gap {gap:+.3f}) | {extra} |")
-    lines += ["", "Accuracy claims are differences in accuracy; gap recovery is (CoRe(page) − "
-                  "visual SFT(page)) / (text SFT(text) − visual SFT(page)), its CI a paired "
-                  "bootstrap over items with the three arms resampled together; the paper's "
+    lines += ["", "Accuracy claims are differences in accuracy, NLL claims differences in the "
+                  "reference answer's mean negative log-likelihood per token (teacher-forced; "
+                  "lower is better); gap recovery is (CoRe(page) − visual SFT(page)) / "
+                  "(text SFT(text) − visual SFT(page)), on −NLL for the NLL rows, its CI a "
+                  "paired bootstrap over items with the three arms resampled together; the paper's "
                   "0.70 is a best case (\"up to\"), shown beside the CI.", ""]
     return "\n".join(lines)

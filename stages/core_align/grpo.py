@@ -38,7 +38,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from stages.core import io
 from stages.core_align.core import CoReGRPOParams
-from stages.core_align.sft import MODALITIES, accuracy, answer_rows, answers_frame, load_split
+from stages.core_align.sft import (MODALITIES, accuracy, answer_rows, answers_frame, load_split,
+                                   mean_nll)
 from stages.models import vlm as vlm_model
 
 RL_ARMS = ("visual_grpo", "core_grpo")
@@ -228,6 +229,7 @@ def seed_arms(cfg: Config, seed: int, start_dir: Path, train_df: Any, train_imag
         vlm_model.save_vlm(vlm, out / arm / f"seed{seed}")
         got = answer_rows(vlm, eval_df, eval_images, arm, seed, cfg)
         acc = {f"acc_{mod}": accuracy(got, mod) for mod in MODALITIES}
+        acc.update({f"nll_{mod}": mean_nll(got, mod) for mod in MODALITIES})
         print(f"grpo: seed {seed} {arm}: accuracy text {acc['acc_text']:.3f}, image "
               f"{acc['acc_image']:.3f}", flush=True)
         rows += got

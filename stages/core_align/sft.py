@@ -255,16 +255,43 @@ def answer_rows(vlm: vlm_model.VLM, df: Any, images: list[Any], arm: str, seed: 
         "text": [vlm_model.encode_text_prompt(layout, tok, r["content"], r["query"])
                  for r in items],
         "image": [vlm_model.encode_image_prompt(layout, tok, r["query"]) for r in items]}
+    nll = answer_nll(vlm, df, images, cfg.eval_batch_size)
     out = []
     for modality in MODALITIES:
         said = vlm_model.generate(vlm, prompts[modality], images if modality == "image" else None,
                                   max_new_tokens=cfg.answer_tokens,
                                   batch_size=cfg.eval_batch_size)
-        for r, completion in zip(items, said):
+        for i, (r, completion) in enumerate(zip(items, said)):
             out.append({"arm": arm, "seed": seed, "item": r["id"], "kind": r["kind"],
                         "difficulty": r["difficulty"], "modality": modality,
                         "completion": completion,
-                        "correct": int(rendered_text.verify_answer(r, completion))})
+                        "correct": int(rendered_text.verify_answer(r, completion)),
+                        "nll": nll[modality][i]})
+    return out
+
+
+def answer_nll(vlm: vlm_model.VLM, df: Any, images: list[Any], batch_size: int
+               ) -> dict[str, list[float]]:
+    """Per item, the mean negative log-likelihood per token of the reference answer y* (+ eos)
+    after the text and after the page, teacher-forced: a graded measure of how close each
+    input's policy is to the answer, where greedy accuracy sits at the floor."""
+    import torch
+
+    from stages.core_align.core import response_logits
+
+    pairs = encode_pairs(vlm, df)
+    pixels = vlm_model.pixel_values(vlm.processor, images)
+    out: dict[str, list[float]] = {m: [] for m in MODALITIES}
+    with torch.no_grad():
+        for start in range(0, len(pairs), batch_size):
+            idx = list(range(start, min(start + batch_size, len(pairs))))
+            text, image, r_ids, r_mask = batch_branches(vlm.model, pairs, pixels, idx,
+                                                        vlm.tokenizer.pad_token_id)
+            for modality, branch in (("text", text), ("image", image)):
+                logits = response_logits(vlm.model, branch, r_ids, r_mask).float()
+                tok_nll = -logits.log_softmax(-1).gather(-1, r_ids.unsqueeze(-1)).squeeze(-1)
+                m = r_mask.to(tok_nll.dtype)
+                out[modality] += ((tok_nll * m).sum(1) / m.sum(1)).tolist()
     return out
 
 
@@ -281,18 +308,24 @@ def answers_spec() -> Any:
         "difficulty": ColumnSpec(dtype=pl.Int64, min=0),
         "modality": ColumnSpec(dtype=pl.String, values=MODALITIES),
         "completion": ColumnSpec(dtype=pl.String),
-        "correct": ColumnSpec(dtype=pl.Int64, values=(0, 1))}, min_rows=1)
+        "correct": ColumnSpec(dtype=pl.Int64, values=(0, 1)),
+        "nll": ColumnSpec(dtype=pl.Float64, min=0)}, min_rows=1)
 
 
 ANSWER_SCHEMA = {"arm": "String", "seed": "Int64", "item": "String", "kind": "String",
                  "difficulty": "Int64", "modality": "String", "completion": "String",
-                 "correct": "Int64"}
+                 "correct": "Int64", "nll": "Float64"}
 
 
 def answers_frame(rows: list[dict[str, Any]]) -> Any:
     import polars as pl
 
     return pl.DataFrame(rows, schema={k: getattr(pl, v) for k, v in ANSWER_SCHEMA.items()})
+
+
+def mean_nll(rows: list[dict[str, Any]], modality: str) -> float:
+    sel = [r["nll"] for r in rows if r["modality"] == modality]
+    return sum(sel) / len(sel) if sel else math.nan
 
 
 def accuracy(rows: list[dict[str, Any]], modality: str) -> float:
@@ -323,6 +356,7 @@ def seed_arms(cfg: Config, seed: int, model_dir: Path, train_df: Any, train_imag
             vlm_model.save_vlm(vlm, out / arm / f"seed{seed}")
         got = answer_rows(vlm, eval_df, eval_images, arm, seed, cfg)
         acc = {f"acc_{mod}": accuracy(got, mod) for mod in MODALITIES}
+        acc.update({f"nll_{mod}": mean_nll(got, mod) for mod in MODALITIES})
         print(f"sft: seed {seed} {arm}: accuracy text {acc['acc_text']:.3f}, image "
               f"{acc['acc_image']:.3f}", flush=True)
         rows += got

@@ -47,6 +47,7 @@ def test_every_arm_trained_and_answers_the_same_items_from_text_and_page(core_re
     details = json.loads((core_repo / P / "details/sft.json").read_text())
     assert details["chars_per_visual_token"] == 2.0      # issue 18: >= 2 per visual token
     assert details["eval_items"] == 6 and details["steps"] == 3
+    assert (answers["nll"] > 0).all()            # the reference answer's NLL, both inputs
     for seed in (0, 1):
         # CoRe-SFT logs its three loss parts; the baselines one each
         assert {"final_match", "final_ce_img", "final_ce_txt"} <= {
@@ -95,9 +96,10 @@ def test_compare_claims_figure_readme_and_registry(core_repo: Path):
     head = json.loads((core_repo / P / "metrics/compare.json").read_text())
     cmp = json.loads((core_repo / P / "details/compare.json").read_text())
     assert cmp["seeds"] == 2 and cmp["items"] == 6 and cmp["chars_per_visual_token"] == 2.0
-    # three accuracy claims + gap recovery of CoRe-SFT and CoRe-RL
+    # three claims on accuracy and three on the answer's NLL, gap recovery of CoRe-SFT and
+    # CoRe-RL on each
     verdicts = sum(head[k] for k in ("reproduced", "inconclusive", "contradicted"))
-    assert verdicts == 5
+    assert verdicts == 10
     assert cmp["claim/transfer_failure/pairs"] == 12               # 2 seeds x 6 items
     assert cmp["claim/core_grpo_vs_visual_grpo/pairs"] == 12
     assert cmp["claim/gap_recovery_sft/paper_effect"] == 0.70

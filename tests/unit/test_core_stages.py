@@ -127,7 +127,7 @@ def _answers(table: dict[str, dict[str, list[int]]]) -> pl.DataFrame:
     for arm, by_mod in table.items():
         for mod, correct in by_mod.items():
             rows += [{"arm": arm, "seed": 0, "item": f"i{k}", "kind": "kv", "difficulty": 1,
-                      "modality": mod, "completion": "", "correct": c}
+                      "modality": mod, "completion": "", "correct": c, "nll": 1.0 - 0.5 * c}
                      for k, c in enumerate(correct)]
     return sft.answers_frame(rows)
 
@@ -147,6 +147,12 @@ def test_gap_recovery_and_claims_on_hand_made_answers():
     assert c.diff == pytest.approx(0.6) and c.name == "reproduced"
     c = compare.accuracy_claim(answers, "core_sft", "image", "visual_sft", "image", draws=500)
     assert c.diff == pytest.approx(0.3) and c.n == 10
+    # on the answer's NLL (1 - c/2 per item: lower where right) the recovery is the same ratio
+    claim, g = compare.recovery_claim(answers, "core_sft", draws=500, statistic="nll")
+    assert g.value == pytest.approx(0.5)
+    c = compare.accuracy_claim(answers, "core_sft", "image", "visual_sft", "image", draws=500,
+                               statistic="nll", direction=-1)
+    assert c.diff == pytest.approx(-0.15)
     # arms answering different items cannot be paired
     short = answers.filter(~((pl.col("arm") == "core_sft") & (pl.col("item") == "i0")))
     with pytest.raises(ValueError, match="different"):
