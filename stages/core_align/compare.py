@@ -213,17 +213,11 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
 
 
 def headline(metrics: dict[str, float]) -> dict[str, float]:
-    """DVC metrics: verdict counts, gap recovery of CoRe-SFT, the compression ratio and the
-    page accuracy of visual SFT and CoRe-SFT (means over seeds)."""
+    """DVC metrics: verdict counts, gap recovery of CoRe-SFT (accuracy) and of CoRe-RL (answer
+    NLL); the arms' numbers are the sft and grpo stages' headlines."""
     out = stats.verdict_counts(metrics)
-    for key, name in (("claim/gap_recovery_sft/diff", "gap_recovery_sft"),
-                      ("claim/gap_recovery_grpo/diff", "gap_recovery_grpo"),
-                      ("claim/gap_recovery_sft_nll/diff", "gap_recovery_sft_nll"),
-                      ("claim/gap_recovery_grpo_nll/diff", "gap_recovery_grpo_nll"),
-                      ("chars_per_visual_token", "chars_per_visual_token"),
-                      ("text_sft/text_mean", "text_sft_text"),
-                      ("visual_sft/image_mean", "visual_sft_image"),
-                      ("core_sft/image_mean", "core_sft_image")):
+    for key, name in (("claim/gap_recovery_sft/diff", "recovery_sft"),
+                      ("claim/gap_recovery_grpo_nll/diff", "recovery_rl_nll")):
         if key in metrics and math.isfinite(metrics[key]):
             out[name] = metrics[key]
     return out

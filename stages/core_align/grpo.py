@@ -3,7 +3,7 @@ from one SFT arm's checkpoints; then each policy answers the test split from the
 the page (ICML 2026, poster 64509; the anchor term: `stages.core_align.trainer`).
 
 - `visual_grpo`  the engine's GRPO (TRL's clipped loss) on rollouts y ~ pi_theta(.|x_img)
-- `core_grpo`    the same + lambda * mean_t KL(pi_theta(.|x_img, y_<t) || sg pi_theta(.|x_txt, y_<t))
+- `core_grpo`    the same + lambda * mean_t KL(pi_theta(.|x_img, y_<t) || sg pi(.|x_txt, y_<t))
 
 Reward: the rendered-text family's exact verifier (1 if the answer is right). Both arms start
 from the same checkpoint per seed (`start`, an arm of the sft stage) and share every budget.
@@ -306,15 +306,14 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
 
 
 def headline(metrics: dict[str, float]) -> dict[str, float]:
-    """DVC metrics: each RL arm's accuracy on the page and the text, means over seeds."""
+    """DVC metrics: each RL arm's accuracy on the page, means over seeds (details/grpo.json has
+    the rest)."""
     from stages.core.stats import mean_std
 
     out: dict[str, float] = {}
     for arm in RL_ARMS:
-        for mod in MODALITIES:
-            vals = [v for k, v in metrics.items() if k.startswith("seed")
-                    and k.endswith(f"/{arm}/acc_{mod}")]
-            if vals:
-                out[f"{arm}_{mod}"] = mean_std(vals)[0]
+        vals = [v for k, v in metrics.items() if k.startswith("seed")
+                and k.endswith(f"/{arm}/acc_image")]
+        if vals:
+            out[f"{arm}_image"] = mean_std(vals)[0]
     return out
-

@@ -438,15 +438,14 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
 
 
 def headline(metrics: dict[str, float]) -> dict[str, float]:
-    """DVC metrics: image- and text-conditioned accuracy of each arm, means over seeds."""
+    """DVC metrics (a short flat table): the compression ratio and the accuracy of each arm on
+    its own input, means over seeds; every other number in details/sft.json."""
     from stages.core.stats import mean_std
 
     out = {k: metrics[k] for k in ("chars_per_visual_token",) if k in metrics}
-    arms = sorted({k.split("/")[1] for k in metrics if k.startswith("seed")})
-    for arm in arms:
-        for mod in MODALITIES:
-            vals = [v for k, v in metrics.items() if k.startswith("seed")
-                    and k.endswith(f"/{arm}/acc_{mod}")]
-            if vals:
-                out[f"{arm}_{mod}"] = mean_std(vals)[0]
+    for arm, mod in (("text_sft", "text"), ("visual_sft", "image"), ("core_sft", "image")):
+        vals = [v for k, v in metrics.items() if k.startswith("seed")
+                and k.endswith(f"/{arm}/acc_{mod}")]
+        if vals:
+            out[f"{arm}_{mod}"] = mean_std(vals)[0]
     return out
