@@ -165,6 +165,15 @@ STAGES: dict[str, dict[str, str]] = {
         "decode": "stages.gift.decode",
         "compare": "stages.gift.compare",
     },
+    # CoRe: the vlm-text checkpoints post-trained on rendered-text QA under text SFT, visual SFT
+    # and visual SFT + step-wise matching to the model's own text-conditioned policy (a
+    # stop-gradient dynamic anchor), then GRPO on the page without and with that anchor; every
+    # arm answers from the text and from the page.
+    "core": {
+        "sft": "stages.core_align.sft",
+        "grpo": "stages.core_align.grpo",
+        "compare": "stages.core_align.compare",
+    },
     # SAME: MoE-LoRA continual instruction tuning of the frozen vlm-shapes checkpoints on five
     # sequential shapes tasks: LoRA, MoE-LoRA, + spectral router, + curvature, + freezing.
     "same": {
@@ -257,6 +266,7 @@ REPORTS: dict[str, str] = {
     "ampd": "stages.ampd.compare:results_table",
     "maps": "stages.maps.compare:results_table",
     "gift": "stages.gift.compare:results_table",
+    "core": "stages.core_align.compare:results_table",
     "same": "stages.same.compare:results_table",
     "bridgevlm": "stages.bridgevlm.compare:results_table",
     "ddr": "stages.ddr.compare:results_table",
@@ -317,6 +327,10 @@ PAPERS: dict[str, dict[str, str]] = {
              "compares": "gaze-shift saliency attention boost with query rescaling vs greedy, a "
                          "VAF-like visual boost and the visual-only ablation (tiny VLM, CHAIR / "
                          "POPE)"},
+    "core": {"paper": "CoRe, ICML 2026 poster 64509 (abstract only)",
+             "compares": "visual SFT / GRPO + step-wise KL to the model's own text-conditioned "
+                         "policy (stop-gradient dynamic anchor) vs visual SFT / GRPO and text "
+                         "SFT (tiny VLM, rendered text pages, gap recovery)"},
     "same": {"paper": "SAME, arXiv 2602.01990",
              "compares": "stabilised MoE-LoRA (spectral router, curvature-scaled experts, "
                          "adaptive freezing) vs LoRA and MoE-LoRA, five sequential tasks on "

@@ -59,11 +59,16 @@ class CoReGRPOTrainer(GRPOTrainer):
                            f"anchor_prompts or the dataset an anchor_prompt column")
         return self.anchor_prompts[row["prompt"]]
 
+    def anchor_prompt_ids(self, inputs: list[dict[str, Any]]) -> list[list[int]]:
+        """Token ids of each rollout's x_txt, tokenised as TRL tokenises prompts (a VLM whose
+        prompts are encoded piece by piece overrides this)."""
+        return self.processing_class(text=[self.anchor_prompt(r) for r in inputs])["input_ids"]
+
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         out = super()._generate_and_score_completions(inputs)
-        # tokenised as TRL tokenises prompts; left-padded like prompt_ids, so TRL's shuffle and
-        # split of the generation batch keep each row with its anchor
-        ids = self.processing_class(text=[self.anchor_prompt(r) for r in inputs])["input_ids"]
+        # left-padded like prompt_ids, so TRL's shuffle and split of the generation batch keep
+        # each row with its anchor
+        ids = self.anchor_prompt_ids(inputs)
         width = max(len(x) for x in ids)
         pad = self.processing_class.pad_token_id
         device = out["prompt_ids"].device

@@ -113,6 +113,8 @@ INPUTS: dict[str, Callable[[], FrameSpec]] = {
     "vlm/rendered_text pages": _attr("stages.tasks.rendered_text", "expectations", None, "train"),
     "gift/captions (compare)": _attr("stages.gift.decode", "captions_spec"),
     "gift/pope (compare)": _attr("stages.gift.decode", "pope_spec"),
+    # core compare: the sft stage's answers (core sft reads through train.vlm.load_family)
+    "core/answers (compare)": _attr("stages.core_align.sft", "answers_spec"),
     # same train.read_split: each task's splits; same compare: train's runs and matrix
     "same/task split (train)": _attr("stages.tasks.shapes_tasks", "expectations", None, "many",
                                      "train"),
@@ -251,6 +253,7 @@ def test_every_reading_module_is_covered():
                "stages/ampd/compare.py", "stages/maps/compare.py", "stages/maps/simulate.py",
                "stages/maps/workload.py", "stages/agents/trajectories.py",
                "stages/train/vlm.py", "stages/gift/compare.py", "stages/bridgevlm/train.py",
+               "stages/core_align/compare.py",
                "stages/same/train.py", "stages/same/compare.py",
                "stages/ddr/expert.py", "stages/ddr/explore.py", "stages/ddr/score.py",
                "stages/plugmem/train.py", "stages/plugmem/structure.py",

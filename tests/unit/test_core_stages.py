@@ -1,0 +1,164 @@
+"""CoRe's stages (stages/core_align/{sft,grpo,compare}.py) on a tiny rendered-text VLM: the page
+branch equals LLaVA's own forward with pixel values, what each SFT arm trains, the GRPO reward and
+the configs it refuses, and the compare stage's claims on hand-made answers."""
+
+from __future__ import annotations
+
+import math
+
+import polars as pl
+import pytest
+import torch
+from pydantic import ValidationError
+
+from stages.core_align import compare, grpo, sft
+from stages.core_align.core import CoReParams, response_logits
+from stages.models import vlm as vm
+from stages.tasks import rendered_text as rt
+from stages.tasks.images import decode_all
+from stages.train import vlm as tv
+
+torch.set_num_threads(1)
+
+SPEC = dict(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64, num_layers=2,
+            num_heads=2, vision_hidden=16, vision_heads=2, vision_layers=1, max_positions=96)
+LAYOUT = vm.Layout(sink_tokens=0, image_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def page_world():
+    """Six rendered pages (two of each kind) and a tiny pair-tokenizer VLM over them."""
+    rows = rt.generate(rt.Config(), 6, seed=0, split="train")
+    df = pl.DataFrame(rows, schema=rt.SCHEMA)
+    tok = vm.build_tokenizer("pair", tv.tokenizer_texts("rendered_text", df, None, LAYOUT))
+    torch.manual_seed(0)
+    model, processor = vm.build_vlm(vm.Spec(**SPEC), LAYOUT, tok)
+    model.eval()
+    vlm = vm.VLM(model=model, processor=processor, layout=LAYOUT)
+    images = decode_all(df["image"], df["id"], size=(32, 32), mode="L", source="t")
+    return {"df": df, "vlm": vlm, "images": images,
+            "pixels": vm.pixel_values(processor, images)}
+
+
+def test_page_branch_is_llavas_own_forward_with_pixel_values(page_world):
+    vlm, pairs = page_world["vlm"], sft.encode_pairs(page_world["vlm"], page_world["df"])
+    pad = vlm.tokenizer.pad_token_id
+    text, image, r_ids, r_mask = sft.batch_branches(vlm.model, pairs, page_world["pixels"],
+                                                    [0, 3], pad)
+    got = response_logits(vlm.model, image, r_ids, r_mask)
+    prompt = pairs[0]["image"]
+    full = vlm.model(input_ids=torch.tensor([prompt + pairs[0]["response"]]),
+                     pixel_values=page_world["pixels"][:1]).logits
+    n = len(pairs[0]["response"])
+    torch.testing.assert_close(got[0, :n], full[0, len(prompt) - 1:len(prompt) - 1 + n])
+    # both branches score the same response tokens (spec §6 pitfall)
+    assert text.input_ids.shape[0] == image.inputs_embeds.shape[0] == r_ids.shape[0] == 2
+
+
+def _grads(page_world, arm, core=CoReParams()):
+    vlm = page_world["vlm"]
+    pairs = sft.encode_pairs(vlm, page_world["df"])
+    vlm.model.zero_grad(set_to_none=True)
+    loss, parts = sft.arm_loss(arm, vlm.model, pairs, page_world["pixels"], [0, 1, 2, 3],
+                               vlm.tokenizer.pad_token_id, core)
+    loss.backward()
+    tower = [p.grad for n, p in vlm.model.named_parameters() if "vision_tower" in n]
+    return loss.item(), parts, any(g is not None and g.abs().max() > 0 for g in tower)
+
+
+def test_what_each_sft_arm_trains(page_world):
+    _, parts, tower = _grads(page_world, "text_sft")
+    assert set(parts) == {"loss", "ce_txt"} and not tower         # the page is never read
+    visual, parts, tower = _grads(page_world, "visual_sft")
+    assert set(parts) == {"loss", "ce_img"} and tower
+    core, parts, tower = _grads(page_world, "core_sft")
+    assert tower and core == pytest.approx(parts["ce_img"] + parts["match"] + parts["ce_txt"],
+                                           rel=1e-5)
+    assert parts["ce_img"] == pytest.approx(visual, rel=1e-5) and parts["match"] > 0
+    # lam = mu = 0: CoRe-SFT is visual SFT
+    off, _, _ = _grads(page_world, "core_sft", CoReParams(lam=0.0, mu=0.0))
+    assert off == pytest.approx(visual, rel=1e-5)
+
+
+def test_a_few_sft_steps_move_the_model(page_world):
+    vlm = vm.VLM(model=__import__("copy").deepcopy(page_world["vlm"].model),
+                 processor=page_world["vlm"].processor, layout=LAYOUT)
+    pairs = sft.encode_pairs(vlm, page_world["df"])
+    cfg = sft.Config(steps=6, batch_size=4, lr=3e-3, log_every=3)
+    m = sft.train_arm(cfg, "core_sft", vlm, pairs, page_world["pixels"], seed=0)
+    assert m["final_loss"] < m["first_loss"]
+    rows = sft.answer_rows(vlm, page_world["df"], page_world["images"], "core_sft", 0,
+                           cfg.model_copy(update={"answer_tokens": 4}))
+    assert len(rows) == 12 and {r["modality"] for r in rows} == {"text", "image"}
+    frame = sft.answers_frame(rows)
+    from stages.core.checks import check_schema
+    check_schema(frame.schema, sft.answers_spec(), "answers.parquet")     # raises on a mismatch
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    ({"core": {"granularity": "step"}}, "granularity"),
+    ({"core": {"anchor": "ema"}}, "anchor"),
+    ({"arms": ["visual_sft", "visual_sft"]}, "repeat"),
+    ({"core": {"divergence": "js"}}, "divergence"),
+])
+def test_sft_config_refuses(kwargs, named):
+    with pytest.raises(ValidationError, match=named):
+        sft.Config(**kwargs)
+
+
+@pytest.mark.parametrize("grpo_kwargs", [{"minibatches": 2, "prompts_per_round": 2},
+                                         {"num_iterations": 2}, {"beta": 0.01}])
+def test_grpo_config_refuses_rounds_scored_without_the_page(grpo_kwargs):
+    with pytest.raises(ValidationError, match="minibatches = .* needs 1, 1, 0, 0"):
+        grpo.Config(grpo={"minibatches": 1, "num_iterations": 1, **grpo_kwargs})
+    grpo.Config(grpo={"minibatches": 1, "num_iterations": 1})
+
+
+def test_grpo_reward_is_the_exact_verifier():
+    reward = grpo.verifier_reward()
+    got = reward(["p"] * 4, ["4", " 4 ", "23+45=68 #### 68", "23+45=68 #### 67"],
+                 answer=["4", "4", "68", "68"], kind=["kv", "kv", "arith", "arith"])
+    assert got == [1.0, 1.0, 1.0, 0.0]
+
+
+def _answers(table: dict[str, dict[str, list[int]]]) -> pl.DataFrame:
+    """{arm: {modality: per-item 0/1}} over one seed -> an answers frame."""
+    rows = []
+    for arm, by_mod in table.items():
+        for mod, correct in by_mod.items():
+            rows += [{"arm": arm, "seed": 0, "item": f"i{k}", "kind": "kv", "difficulty": 1,
+                      "modality": mod, "completion": "", "correct": c, "nll": 1.0 - 0.5 * c}
+                     for k, c in enumerate(correct)]
+    return sft.answers_frame(rows)
+
+
+def test_gap_recovery_and_claims_on_hand_made_answers():
+    # text SFT on text 8/10, visual SFT on the page 2/10, CoRe-SFT on the page 5/10
+    text = [1] * 8 + [0] * 2
+    visual = [1] * 2 + [0] * 8
+    core = [1] * 5 + [0] * 5
+    answers = _answers({"text_sft": {"text": text, "image": visual},
+                        "visual_sft": {"text": visual, "image": visual},
+                        "core_sft": {"text": text, "image": core}})
+    claim, g = compare.recovery_claim(answers, "core_sft", draws=500)
+    assert g.value == pytest.approx((0.5 - 0.2) / (0.8 - 0.2)) and g.gap == pytest.approx(0.6)
+    assert claim.paper_effect == 0.70 and claim.n == 10
+    c = compare.accuracy_claim(answers, "text_sft", "text", "visual_sft", "image", draws=500)
+    assert c.diff == pytest.approx(0.6) and c.name == "reproduced"
+    c = compare.accuracy_claim(answers, "core_sft", "image", "visual_sft", "image", draws=500)
+    assert c.diff == pytest.approx(0.3) and c.n == 10
+    # on the answer's NLL (1 - c/2 per item: lower where right) the recovery is the same ratio
+    claim, g = compare.recovery_claim(answers, "core_sft", draws=500, statistic="nll")
+    assert g.value == pytest.approx(0.5)
+    c = compare.accuracy_claim(answers, "core_sft", "image", "visual_sft", "image", draws=500,
+                               statistic="nll", direction=-1)
+    assert c.diff == pytest.approx(-0.15)
+    # arms answering different items cannot be paired
+    short = answers.filter(~((pl.col("arm") == "core_sft") & (pl.col("item") == "i0")))
+    with pytest.raises(ValueError, match="different"):
+        compare.accuracy_claim(short, "core_sft", "image", "visual_sft", "image", draws=100)
+    # no gap (text SFT no better than visual SFT): gap recovery undefined, inconclusive
+    flat = _answers({"text_sft": {"text": visual}, "visual_sft": {"image": visual},
+                     "core_sft": {"image": core}})
+    claim, g = compare.recovery_claim(flat, "core_sft", draws=100)
+    assert math.isnan(g.value) and claim.name == "inconclusive"
