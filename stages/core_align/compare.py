@@ -137,7 +137,8 @@ def figure(answers: Any, path: Any) -> None:
 
     from stages.core import io
 
-    per_seed = answers.group_by("arm", "modality", "seed").agg(pl.col("correct").mean())
+    per_seed = answers.group_by("arm", "modality", "seed", maintain_order=True).agg(
+        pl.col("correct").mean())
     arms = [a for a in ARM_ORDER if a in set(per_seed["arm"].to_list())]
     fig, ax = plt.subplots(figsize=(1.3 * len(arms) + 2, 3.4))
     width = 0.38
@@ -181,8 +182,10 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
                                  "items": float(answers["item"].n_unique())}
     sft = ctx.stage_metrics("sft")
     metrics["chars_per_visual_token"] = sft["chars_per_visual_token"]
-    per_seed = answers.group_by("arm", "modality", "seed").agg(pl.col("correct", "nll").mean())
-    per_kind = answers.group_by("arm", "modality", "kind").agg(pl.col("correct").mean())
+    per_seed = answers.group_by("arm", "modality", "seed", maintain_order=True).agg(
+        pl.col("correct", "nll").mean())
+    per_kind = answers.group_by("arm", "modality", "kind", maintain_order=True).agg(
+        pl.col("correct").mean())
     for arm in (a for a in ARM_ORDER if a in present):
         for mod in MODALITIES:
             vals = per_seed.filter((pl.col("arm") == arm) & (pl.col("modality") == mod))
