@@ -1,0 +1,80 @@
+"""Does the tiny diffusion LM learn DiffuReason's `cpu` task, and does its AR twin?
+
+    .venv/bin/python benchmarks/diffureason_learning.py [--steps 250 1000] [--seeds 0 1]
+
+Trains both models of `pipelines/diffureason` (the `cpu` profile's task and model: single
+digits mod 10, + and -, 2-4 steps; d = 64, 2 layers, lr 3e-3, batch 64) at each step count,
+one torch thread, and prints per (model, seed, steps): the training loss of the last 10% of
+steps, greedy validation accuracy (the diffusion LM with T_b = B/2 passes per block, as the
+pipeline's `vanilla` arm) and the first validation problem decoded. It separates what a model
+learned to copy (operands, the previous step's result) from the digit arithmetic, which is
+what the search needs. A diagnostic behind the README's "Deviations"; not a speed benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main() -> None:
+    import torch
+    from transformers import set_seed
+
+    from stages.diffureason import search as S
+    from stages.diffureason import task as T
+    from stages.diffureason.train import encode_rows
+    from stages.models import mdlm
+    from stages.train.sft import sft
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, nargs="+", default=[250, 1000])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    cfg = T.Config(modulus=10, operators="+-", min_steps=2, max_steps=4, block_size=8,
+                   sizes={"test": 60, "val": 50, "train": 3000})
+    rows, tok = T.generate(cfg, 0), T.build_tokenizer()
+    meta = {"prompt_len": cfg.prompt_len, "response_len": cfg.response_len,
+            "block_size": cfg.block_size, "n_blocks": cfg.n_blocks, "modulus": cfg.modulus}
+    train = [r for r in rows if r["split"] == "train"]
+    val = [r for r in rows if r["split"] == "val"]
+    prompts, gold = [r["prompt"] for r in val], [r["answer"] for r in val]
+    x_train = encode_rows(tok, [r["prompt"] for r in train], [r["response"] for r in train], meta)
+    size = mdlm.Config(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128,
+                       max_positions=64)
+    print(f"first validation problem: {val[0]['prompt']} -> {val[0]['response']}")
+    print("| model | seed | steps | train loss | val greedy acc | first problem decoded | s |")
+    print("|---|---|---|---|---|---|---|")
+    for steps in args.steps:
+        for seed in args.seeds:
+            set_seed(seed)
+            t0 = time.time()
+            diff = mdlm.build_mdlm(size, tok)
+            got = mdlm.train_mdlm(diff, x_train, cfg.prompt_len, tok.mask_token_id, steps=steps,
+                                  batch_size=64, lr=3e-3, seed=seed)
+            dec = S.Decoder(diff, tok, meta, seed=seed)
+            x = dec.vanilla(prompts, steps=cfg.block_size // 2)
+            print(f"| diffusion | {seed} | {steps} | {got['train_loss']:.3f} | "
+                  f"{S.accuracy(dec, x, gold):.2f} | `{dec.response(x[0])}` | "
+                  f"{time.time() - t0:.0f} |", flush=True)
+            set_seed(seed)
+            t0 = time.time()
+            ar = mdlm.build_ar_twin(size, tok)
+            got = sft(ar, tok, [r["prompt"] for r in train], [r["response"] for r in train],
+                      steps=steps, batch_size=64, lr=3e-3, seed=seed, warmup=0.05,
+                      min_lr_ratio=0.1, log_every=max(1, steps // 10))
+            ar.generation_config.pad_token_id = tok.pad_token_id
+            ar.generation_config.eos_token_id = tok.eos_token_id
+            x = S.ARDecoder(ar, tok, meta, seed=seed).greedy(prompts)
+            print(f"| AR twin | {seed} | {steps} | {float(got['train_loss']):.3f} | "
+                  f"{S.accuracy(dec, x, gold):.2f} | `{dec.response(x[0])}` | "
+                  f"{time.time() - t0:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
