@@ -159,7 +159,7 @@ def results_table(metrics: dict[str, dict[str, Any]]) -> str:
         lines += [f"Claims at B = {c.get('claim_budget', float('nan')):.0f}, by the house rule "
                   "(paired 95% bootstrap CI of method - baseline over (seed, problem) pairs: "
                   "reproduced when it excludes 0 in the paper's direction, contradicted when it "
-                  "excludes 0 the other way or the paper's effect, else inconclusive; MDE = the "
+                  "excludes 0 the other way, else inconclusive; MDE = the "
                   "smallest true difference these pairs detect with 80% power):", ""] + claims
         lines.append("")
     return "\n".join(lines)
