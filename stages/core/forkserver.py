@@ -46,6 +46,8 @@ import time
 from pathlib import Path
 from collections.abc import Iterator
 
+from stages.core.proc import AVX2_KERNELS  # standard library only
+
 ENV = "PAPERLINE_FORKSERVER"  # the socket's path, set for stage processes by `paperline repro`
 # What a model stage imports before its work (torch, transformers' Llama, its Trainer and
 # tokenizers, the data stack). Third-party only: project modules are imported by each child.
@@ -57,7 +59,7 @@ PRELOAD = ("numpy", "polars", "pydantic", "yaml", "dvc.repo", "torch", "safetens
 # whose values differ (a Prefect workspace's PYTHONPATH, say) runs its stage itself.
 # So are the CPU kernels the libraries pick (read once, when torch and MKL load): stages/core/proc.py.
 SAME_ENV = ("PYTHONPATH", "PYTHONHASHSEED", "PYTHONHOME", "PYTHONSAFEPATH", "VIRTUAL_ENV",
-            "PAPERLINE_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_CBWR", "DNNL_MAX_CPU_ISA")
+            "PAPERLINE_CPU_ISA", *AVX2_KERNELS)
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 _HEADER = struct.Struct("!I")
 

@@ -22,8 +22,14 @@ with it: the orphan ran on, overwrote outputs that dvc had already recorded as c
   trained on an AVX-512 machine (measured: AMD EPYC Zen 4) had other bytes, and after a few hundred
   steps another train loss, than the same run under AVX2 kernels. On x86-64 CPUs with AVX2 the
   kernels are pinned to AVX2 for torch (`ATEN_CPU_CAPABILITY`), MKL (`MKL_CBWR`, its conditional
-  numerical reproducibility branch) and oneDNN (`DNNL_MAX_CPU_ISA`): one set of kernels that
-  every x86-64 machine of the last decade runs. `PAPERLINE_CPU_ISA=native` leaves the choice to
+  numerical reproducibility branch) and oneDNN (`DNNL_MAX_CPU_ISA`), and likewise for what numpy,
+  scipy and scikit-learn compute with: the OpenBLAS that numpy and scipy bundle picks its GEMM
+  kernels by CPU (`OPENBLAS_CORETYPE=Haswell`), and numpy its own loops for log, exp and the like
+  (`NPY_DISABLE_CPU_FEATURES`: the AVX-512 targets off). Without those two, models trained
+  byte for byte alike on two CPUs while a probe, a ridge head or an entropy computed in numpy from
+  them did not (measured: maps' length predictor, whose every output is byte-identical to the
+  first machine's only with them). One set of kernels that every x86-64 machine of the last
+  decade runs. `PAPERLINE_CPU_ISA=native` leaves the choice to
   the libraries (faster on some CPUs; the bytes are then this CPU's own). Not pinned: other
   architectures (ARM has its own kernels) and GPUs (cuBLAS/cuDNN choose by device).
 - `pipeline_lock()`: `paperline repro` / `paperline run` of one pipeline take turns (an `flock` on
@@ -53,8 +59,13 @@ SHELLS = {"sh", "bash", "dash", "zsh", "ksh", "mksh", "ash", "busybox"}
 LOCKS = Path(".paperline") / "locks"
 HASH_SEED = "0"
 ISA_ENV = "PAPERLINE_CPU_ISA"  # "avx2" (the default) or "native"
+# numpy's AVX-512 dispatch targets, by their names in numpy 2.x (X86_V4, ...) and 1.x (AVX512F,
+# ...): disabled, its loops (log, exp, ...) take the AVX2 (X86_V3) path; an unknown name is ignored
+NUMPY_AVX512 = ("X86_V4 AVX512F AVX512CD AVX512_KNL AVX512_KNM AVX512_SKX AVX512_CLX AVX512_CNL "
+                "AVX512_ICL AVX512_SPR")
 # the kernel variables of each library, pinned to its AVX2 code path
-AVX2_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "DNNL_MAX_CPU_ISA": "AVX2"}
+AVX2_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "DNNL_MAX_CPU_ISA": "AVX2",
+                "OPENBLAS_CORETYPE": "Haswell", "NPY_DISABLE_CPU_FEATURES": NUMPY_AVX512}
 
 
 class OrphanedError(RuntimeError):

@@ -149,8 +149,7 @@ ISA_SNIPPET = textwrap.dedent(f"""
 
 
 def _isa_run(**env: str) -> tuple[str, str]:
-    full = {k: v for k, v in os.environ.items()
-            if k not in ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "DNNL_MAX_CPU_ISA", proc.ISA_ENV)}
+    full = {k: v for k, v in os.environ.items() if k not in (*proc.AVX2_KERNELS, proc.ISA_ENV)}
     out = subprocess.run([sys.executable, "-c", ISA_SNIPPET], env=dict(full, **env),
                          capture_output=True, text=True, check=True).stdout.split()
     return out[0], out[1]
@@ -167,6 +166,44 @@ def test_cpu_kernels_are_pinned_whatever_the_caller_had():
     assert len(pinned) == 1 and next(iter(pinned))[0] == "AVX2", pinned
     native = _isa_run(FIX="1", ATEN_CPU_CAPABILITY="default", **{proc.ISA_ENV: "native"})
     assert native == ("DEFAULT", unpinned["default"][1])  # native: the caller's choice stands
+
+
+NUMPY_SNIPPET = textwrap.dedent(f"""
+    import hashlib, os, sys
+    sys.path.insert(0, {str(REPO)!r})
+    from stages.core import proc
+    if os.environ.get("FIX") == "1":
+        proc.fixed_process_env()
+    import numpy as np
+    rng = np.random.default_rng(0)
+    x = rng.random(100_003) * 10
+    a = rng.random((300, 200))
+    # numpy's own loop (log) and OpenBLAS's GEMM + LAPACK (solve), as a probe or ridge head uses
+    print(hashlib.md5(np.log(x).tobytes()).hexdigest(),
+          hashlib.md5(np.linalg.solve(a[:200] @ a[:200].T + np.eye(200), a[:200, :5])
+                      .tobytes()).hexdigest())
+""")
+
+
+def _numpy_run(**env: str) -> tuple[str, str]:
+    full = {k: v for k, v in os.environ.items() if k not in (*proc.AVX2_KERNELS, proc.ISA_ENV)}
+    out = subprocess.run([sys.executable, "-c", NUMPY_SNIPPET], env=dict(full, **env),
+                         capture_output=True, text=True, check=True).stdout.split()
+    return out[0], out[1]
+
+
+@pytest.mark.skipif(not proc._cpu_has_avx2(), reason="the AVX2 pin applies to x86-64 CPUs with AVX2")
+def test_numpy_and_openblas_kernels_are_pinned_whatever_the_caller_had():
+    """numpy's log and OpenBLAS's GEMM round differently under their AVX-512 and AVX2 kernels
+    (measured on a Zen 4); a stage process computes with the AVX2 ones whatever its caller set."""
+    avx2 = _numpy_run(OPENBLAS_CORETYPE="Haswell",
+                      NPY_DISABLE_CPU_FEATURES=proc.NUMPY_AVX512)
+    callers = [{}, {"OPENBLAS_CORETYPE": "SkylakeX"}, {"NPY_DISABLE_CPU_FEATURES": ""},
+               {"OPENBLAS_CORETYPE": "Prescott", "NPY_DISABLE_CPU_FEATURES": "X86_V3"}]
+    assert {_numpy_run(FIX="1", **c) for c in callers} == {avx2}
+    if "avx512f" in Path("/proc/cpuinfo").read_text():    # here the choice changes the bytes
+        unpinned = _numpy_run()
+        assert unpinned[0] != avx2[0] and unpinned[1] != avx2[1], (unpinned, avx2)
 
 
 def test_cpu_isa_setting_is_checked():
