@@ -148,11 +148,17 @@ ISA_SNIPPET = textwrap.dedent(f"""
 """)
 
 
-def _isa_run(**env: str) -> tuple[str, str]:
+def _snippet_run(snippet: str, **env: str) -> tuple[str, str]:
+    """The snippet's two printed words, in a fresh interpreter with none of the pinned kernel
+    variables of this process, plus `env`."""
     full = {k: v for k, v in os.environ.items() if k not in (*proc.AVX2_KERNELS, proc.ISA_ENV)}
-    out = subprocess.run([sys.executable, "-c", ISA_SNIPPET], env=dict(full, **env),
+    out = subprocess.run([sys.executable, "-c", snippet], env=dict(full, **env),
                          capture_output=True, text=True, check=True).stdout.split()
     return out[0], out[1]
+
+
+def _isa_run(**env: str) -> tuple[str, str]:
+    return _snippet_run(ISA_SNIPPET, **env)
 
 
 @pytest.mark.skipif(not proc._cpu_has_avx2(), reason="the AVX2 pin applies to x86-64 CPUs with AVX2")
@@ -186,10 +192,7 @@ NUMPY_SNIPPET = textwrap.dedent(f"""
 
 
 def _numpy_run(**env: str) -> tuple[str, str]:
-    full = {k: v for k, v in os.environ.items() if k not in (*proc.AVX2_KERNELS, proc.ISA_ENV)}
-    out = subprocess.run([sys.executable, "-c", NUMPY_SNIPPET], env=dict(full, **env),
-                         capture_output=True, text=True, check=True).stdout.split()
-    return out[0], out[1]
+    return _snippet_run(NUMPY_SNIPPET, **env)
 
 
 @pytest.mark.skipif(not proc._cpu_has_avx2(), reason="the AVX2 pin applies to x86-64 CPUs with AVX2")
