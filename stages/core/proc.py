@@ -26,8 +26,8 @@ with it: the orphan ran on, overwrote outputs that dvc had already recorded as c
   scipy and scikit-learn compute with: the OpenBLAS that numpy and scipy bundle picks its GEMM
   kernels by CPU (`OPENBLAS_CORETYPE=Haswell`), and numpy its own loops for log, exp and the like
   (`NPY_DISABLE_CPU_FEATURES`: the AVX-512 targets off). Without those two, models trained
-  byte for byte alike on two CPUs while a probe, a ridge head or an entropy computed in numpy from
-  them did not (measured: maps' length predictor, whose every output is byte-identical to the
+  byte for byte alike on two CPUs while a probe or a ridge head fitted on them with numpy or
+  scikit-learn did not (measured: maps' length predictor, whose every output is byte-identical to the
   first machine's only with them). One set of kernels that every x86-64 machine of the last
   decade runs. `PAPERLINE_CPU_ISA=native` leaves the choice to
   the libraries (faster on some CPUs; the bytes are then this CPU's own). Not pinned: other
