@@ -9,6 +9,8 @@ message passing, and the Causal Tokens the decoder reads (BridgeVLM spec §2; ar
                     h_i <- h_i + MLP([h_i; msg_dn_i; msg_up_i])
                     G = CrossAttn(Q_graph, H); h_i <- h_i + W_g mean(G)
     Causal Tokens = Proj([H; G])  -> spliced into the decoder input after the visual tokens
+    in the decoder, after each layer l in `decoder_layers`, at the node-token positions only:
+                    x_i <- x_i + MLP_l([x_i; sum_j A_ji W_dn,l x_j; sum_j A_ij W_up,l x_j])
 
 M3S (spec §2, weights [reconstructed]): BCE on labelled edges, InfoNCE of node i against the
 description of variable i (the decoder's own, detached embedding of the variable's name),
@@ -16,9 +18,15 @@ NOTEARS h(A) = tr(exp(A o A)) - m (ramped up), a graph-level head on mean(G) and
 node-state head (the node's variable level before and after). Every term is masked where its
 label is missing (edges of an SCM held out from edge supervision).
 
-Departures (README): RAMP runs before the decoder only ("input-concat", the spec's first
-placement); the in-decoder RAMP residual at 2-3 decoder layers is not implemented. Structure F1
-is computed after Hungarian alignment of nodes to variables on the alignment scores.
+Placement (spec §2 reconciles the abstract's "injected into the decoder" with the digest's
+"concatenated into the decoder input"): the Causal Tokens go into the input after the visual
+tokens, and at 2-3 decoder layers the RAMP residual updates the node-token positions again with
+the same A, while every other token attends to them normally ([reconstructed]; the layers are
+`CausalSpec.decoder_layers`). Each decoder update has its own W_dn, W_up and MLP, whose last
+layer starts at zero ([ours]), so a model starts as its input-concat twin and learns how much
+in-decoder message passing to use. The arm `bridgevlm_concat` (input-concat only) is the
+ablation spec §6 asks for. Structure F1 is computed after Hungarian alignment of nodes to
+variables on the alignment scores.
 
 The math is small pure functions (tested on hand values in tests/unit/test_bridgevlm.py); the
 module below only wires them.
@@ -30,7 +38,7 @@ import math
 from typing import Any, Sequence
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch import nn
 
 
@@ -46,6 +54,19 @@ class CausalSpec(BaseModel):
     graph_queries: int = Field(2, ge=1, le=32, description="g: global graph tokens")
     temperature: float = Field(1.0, gt=0, le=100, description="tau in the edge logit")
     heads: int = Field(4, ge=1, le=64, description="cross-attention heads")
+    decoder_layers: list[int] = Field(
+        default_factory=lambda: [1, 2], max_length=8,
+        description="decoder layers (0-based) after which the RAMP residual updates the "
+                    "node-token positions with the same A (spec §2: 2-3 layers "
+                    "[reconstructed]); used by arms with decoder_ramp")
+
+    @field_validator("decoder_layers")
+    @classmethod
+    def _layers(cls, value: list[int]) -> list[int]:
+        if any(v < 0 for v in value) or sorted(set(value)) != value:
+            raise ValueError(f"decoder_layers {value} must be distinct layer indices >= 0, in "
+                             f"increasing order")
+        return value
 
 
 # --- the math (pure functions) --------------------------------------------------------------
@@ -146,10 +167,13 @@ class CausalModule(nn.Module):
     `dag` False: A is all-ones off the diagonal (the no-DAG ablation: no edge or acyclicity
     loss; the graph tokens and their graph head stay). `node_tokens` /
     `graph_tokens` False: those tokens are left out of the decoder input (graph tokens off also
-    drops the graph feedback and the graph head: the no-global-tokens ablation)."""
+    drops the graph feedback and the graph head: the no-global-tokens ablation).
+    `decoder_ramp`: weights for the in-decoder RAMP residual at `spec.decoder_layers`
+    (`decoder_update`); it acts on node-token positions, so it is off without node tokens."""
 
     def __init__(self, d: int, spec: CausalSpec, variables: int, levels: int, *, dag: bool = True,
-                 node_tokens: bool = True, graph_tokens: bool = True):
+                 node_tokens: bool = True, graph_tokens: bool = True,
+                 decoder_ramp: bool = False):
         super().__init__()
         if not (node_tokens or graph_tokens):
             raise ValueError("a causal arm needs node tokens, graph tokens or both")
@@ -179,6 +203,24 @@ class CausalModule(nn.Module):
         self.proj = nn.Sequential(nn.LayerNorm(d), nn.Linear(d, d))   # -> LLM embedding space
         self.desc_proj = nn.Linear(d, d)                              # InfoNCE node side
         self.state_head = nn.Linear(d, 2 * levels)                    # [ours] node levels
+        self.decoder_ramp = bool(decoder_ramp and node_tokens and spec.decoder_layers)
+        if self.decoder_ramp:
+            self._decoder_weights(d, len(spec.decoder_layers))
+
+    def _decoder_weights(self, d: int, n: int) -> None:
+        """The in-decoder RAMP weights, drawn on a fork of the RNG: every other weight of the
+        model (also those built after this module) is the same as its input-concat twin's."""
+        with torch.random.fork_rng(devices=[]):
+            self.dec_w_dn = nn.ParameterList([nn.Parameter(torch.randn(d, d) / math.sqrt(d))
+                                              for _ in range(n)])
+            self.dec_w_up = nn.ParameterList([nn.Parameter(torch.randn(d, d) / math.sqrt(d))
+                                              for _ in range(n)])
+            self.dec_mlp = nn.ModuleList([nn.Sequential(nn.LayerNorm(3 * d), nn.Linear(3 * d, d),
+                                                        nn.GELU(), nn.Linear(d, d))
+                                          for _ in range(n)])
+            for mlp in self.dec_mlp:      # [ours] starts as a no-op: the input-concat model
+                nn.init.zeros_(mlp[-1].weight)
+                nn.init.zeros_(mlp[-1].bias)
 
     @property
     def n_tokens(self) -> int:
@@ -214,6 +256,13 @@ class CausalModule(nn.Module):
         if g is not None:
             out["graph"] = g
         return out
+
+    def decoder_update(self, k: int, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        """The in-decoder RAMP residual after the k-th layer of `spec.decoder_layers`: x (B, m, d)
+        the decoder's hidden states at the node-token positions, a (B, m, m) the same soft DAG
+        the input tokens were built with (module docstring)."""
+        dn, up = ramp_messages(a, x, self.dec_w_dn[k], self.dec_w_up[k])
+        return x + self.dec_mlp[k](torch.cat([x, dn, up], dim=-1))
 
 
 def m3s_loss(module: CausalModule, out: dict[str, torch.Tensor], *, descriptions: torch.Tensor,

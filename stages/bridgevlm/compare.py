@@ -10,7 +10,8 @@ Claims (BridgeVLM, arXiv 2606.11745; spec §1, §4):
 - the spec's predicted order: BridgeVLM > answer-only and prompt-level > answer-only on
   intervention; BridgeVLM > prompt-level on counterfactuals (no paper number);
 - each ablation loses average accuracy (mean of intervention and counterfactual accuracy):
-  no DAG -15.8, no node tokens -12.3, no graph tokens -13.5 points;
+  no DAG -15.8, no node tokens -12.3, no graph tokens -13.5 points; and, spec §6's placement
+  ablation (no paper number), RAMP before the decoder only (`bridgevlm_concat`);
 - the DAG is induced, not memorised: BridgeVLM's hard structure F1 of A on the `relay` SCM,
   whose edges no training signal reveals, against the best F1 that a graph ignoring the images
   scores there (the best of the memorised Pendulum graph 2/7, every edge 0.4, no edge 0,
@@ -58,6 +59,8 @@ CLAIMS: dict[str, tuple[str, str, str, int, float | None, str]] = {
                 "removing node tokens loses average accuracy"),
     "no_graph": ("bridgevlm", "no_graph", "average_acc", 1, 0.135,
                  "removing graph tokens loses average accuracy"),
+    "decoder_ramp": ("bridgevlm", "bridgevlm_concat", "average_acc", 1, None,
+                     "RAMP inside the decoder beats input-concat only, average accuracy"),
 }
 HELD_OUT_SCM, TRAINED_SCM = "relay", "pendulum"
 CHANCE = {"intervention_acc": 1 / len(pendulum.VARIABLES), "average_acc": 0.5 / 4,
@@ -193,10 +196,9 @@ def results_table(metrics: dict[str, dict[str, Any]]) -> str:
     arms = sorted({k.split("/")[0] for k in m if k.endswith("/intervention_acc_mean")})
     if not arms:
         return "_No results yet: run the pipeline._\n"
-    order = [a for a in ("answer_only", "prompt_level", "bridgevlm", "no_dag", "no_node",
-                         "no_graph", "oracle") if a in arms] + \
-        [a for a in arms if a not in ("answer_only", "prompt_level", "bridgevlm", "no_dag",
-                                      "no_node", "no_graph", "oracle")]
+    known = ("answer_only", "prompt_level", "bridgevlm", "bridgevlm_concat", "no_dag",
+             "no_node", "no_graph", "oracle")
+    order = [a for a in known if a in arms] + [a for a in arms if a not in known]
     lines = [f"Test split ({int(m.get('test_pairs', 0))} pairs, both SCMs), mean ± std over "
              f"{int(m.get('seeds', 0))} seeds. Structure F1 (answers) pools the yes/no "
              f"structure questions (half are edges: always answering yes scores 0.667). F1 of "

@@ -9,6 +9,10 @@ then of the after image), 2 causal. The forward fills kind-1 positions with the 
 projected image features and kind-2 positions with the causal module's tokens, then runs the
 LLaVA's decoder on `inputs_embeds` (the LLaVA merge, done here because a second kind of
 token is spliced in). The oracle arm reads the true levels as text where the images were.
+With the in-decoder RAMP (`CausalModule.decoder_ramp`), forward hooks on the decoder layers
+in `CausalSpec.decoder_layers` update the node-token positions after those layers
+(`BridgeVLM.decoder_ramp`): in the training forward and in the prompt pass of greedy decoding,
+whose KV cache then holds the updated node states for every later token.
 
 Targets: the answer (`answer_only`, BridgeVLM and its ablations, the oracle) or, for the
 prompt-level arm (spec §3 (c)), the textual graph and a trace before the answer:
@@ -22,7 +26,8 @@ what follows the last `=>` (the whole text for the other arms).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -158,10 +163,45 @@ class BridgeVLM(nn.Module):
                 extra["causal"] = out
         return emb, extra
 
-    def logits(self, emb: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    @contextmanager
+    def decoder_ramp(self, kinds: torch.Tensor, extra: dict) -> Iterator[None]:
+        """While open, the decoder layers in `CausalSpec.decoder_layers` apply the RAMP residual
+        (`CausalModule.decoder_update`) to the node-token positions of a forward over the whole
+        prompt, with the A that built this batch's Causal Tokens (`extra['causal']`). A no-op
+        for a model without the in-decoder RAMP."""
+        if self.causal is None or not self.causal.decoder_ramp or "causal" not in extra:
+            yield
+            return
+        a, m = extra["causal"]["a"], self.causal.spec.nodes
+        causal = kinds == 2
+        nodes = causal & (causal.long().cumsum(-1) <= m)   # node tokens come first: [H; G]
+        layers = self.llava.model.language_model.layers
+
+        def hook(k: int) -> Any:
+            def update(_module: Any, _args: Any, out: torch.Tensor) -> torch.Tensor | None:
+                if out.shape[1] != nodes.shape[1]:         # a cached step: no node positions
+                    return None
+                b, _, d = out.shape
+                x = self.causal.decoder_update(k, out[nodes].reshape(b, m, d), a.to(out.dtype))
+                return out.masked_scatter(nodes.unsqueeze(-1).expand_as(out), x.reshape(-1, d))
+            return update
+
+        handles = [layers[layer].register_forward_hook(hook(k))
+                   for k, layer in enumerate(self.causal.spec.decoder_layers)]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def logits(self, emb: torch.Tensor, mask: torch.Tensor, kinds: torch.Tensor | None = None,
+               extra: dict | None = None) -> torch.Tensor:
+        """Next-token logits over a batch; `kinds` and `extra` (from `embed`) turn on the
+        in-decoder RAMP of a model that has it."""
         pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
-        h = self.llava.model.language_model(inputs_embeds=emb, attention_mask=mask,
-                                            position_ids=pos).last_hidden_state
+        with self.decoder_ramp(kinds, extra or {}):
+            h = self.llava.model.language_model(inputs_embeds=emb, attention_mask=mask,
+                                                position_ids=pos).last_hidden_state
         return self.llava.lm_head(h)
 
     @torch.no_grad()
@@ -173,7 +213,8 @@ class BridgeVLM(nn.Module):
         table = self.llava.get_input_embeddings()
         lm = self.llava.model.language_model
         pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
-        res = lm(inputs_embeds=emb, attention_mask=mask, position_ids=pos, use_cache=True)
+        with self.decoder_ramp(kinds, extra):
+            res = lm(inputs_embeds=emb, attention_mask=mask, position_ids=pos, use_cache=True)
         cache, last = res.cache, res.last_hidden_state[:, -1]
         nxt_pos = pos[:, -1:] + 1
         out: list[list[int]] = [[] for _ in range(ids.shape[0])]

@@ -5,7 +5,9 @@ Arms (params `arms`; all from scratch with the vlm substrate's spec, one tokeniz
 - `answer_only`   images -> answer (spec §3 (b));
 - `prompt_level`  images -> textual graph + trace + answer (spec §3 (c), the paper's 33.2%);
 - `bridgevlm`     images + Causal Tokens (soft DAG, RAMP, node + graph tokens) -> answer, with
-                  the M3S losses (stages/bridgevlm/causal.py);
+                  the M3S losses and the RAMP residual again inside the decoder
+                  (stages/bridgevlm/causal.py);
+- `bridgevlm_concat`  the same, RAMP before the decoder only (input-concat; spec §6 ablation);
 - `no_dag`, `no_node`, `no_graph`  the spec's ablations of BridgeVLM;
 - `oracle`        the true levels as text instead of the images -> answer (the ceiling).
 Every image arm also gets the substrate's auxiliary patch loss (each visual token names the
@@ -67,6 +69,9 @@ class Arm(BaseModel):
     dag: bool = Field(True, description="causal arms: learned soft DAG (False: A = all ones)")
     node_tokens: bool = Field(True, description="causal arms: node tokens in the decoder input")
     graph_tokens: bool = Field(True, description="causal arms: graph tokens (and feedback)")
+    decoder_ramp: bool = Field(True, description="causal arms: the RAMP residual also runs "
+                                                 "inside the decoder at causal.decoder_layers "
+                                                 "(False: input-concat only; spec §2, §6)")
 
     @model_validator(mode="after")
     def _check(self) -> "Arm":
@@ -154,6 +159,10 @@ class Config(BaseModel):
         if unknown:
             raise ValueError(f"edge_label_scms {unknown} unknown; expected some of "
                              f"{sorted(pendulum.SCMS)}")
+        deep = [k for k in self.causal.decoder_layers if k >= self.spec.num_layers]
+        if deep and any(a.causal and a.decoder_ramp for a in self.arms.values()):
+            raise ValueError(f"causal.decoder_layers {deep} do not exist in a "
+                             f"{self.spec.num_layers}-layer decoder")
         side = self.spec.image_size // self.spec.patch_size
         if side % 2:
             raise ValueError(f"image_size / patch_size = {side} patches per side: must be even "
@@ -280,7 +289,8 @@ def build_model(cfg: Config, arm: Arm, tok: Any) -> bmodel.BridgeVLM:
         module = causal_lib.CausalModule(cfg.spec.hidden_size, cfg.causal,
                                          len(pendulum.VARIABLES), pendulum.LEVELS, dag=arm.dag,
                                          node_tokens=arm.node_tokens,
-                                         graph_tokens=arm.graph_tokens)
+                                         graph_tokens=arm.graph_tokens,
+                                         decoder_ramp=arm.decoder_ramp)
     head = (torch.nn.Linear(cfg.spec.hidden_size, pendulum.LEVELS)
             if arm.input == "images" and cfg.losses.patch > 0 else None)
     return bmodel.BridgeVLM(vlm, module, head)
@@ -346,7 +356,7 @@ def train_arm(cfg: Config, arm: Arm, model: bmodel.BridgeVLM, data: Batches,
         picked, order = order[:cfg.batch_size], order[cfg.batch_size:]
         batch = data.collate([examples[i] for i in picked])
         emb, extra = model.embed(batch["ids"], batch["kinds"], batch.get("images"))
-        logits = model.logits(emb, batch["mask"])
+        logits = model.logits(emb, batch["mask"], batch["kinds"], extra)
         terms = {"answer": F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
                                            batch["labels"][:, 1:].reshape(-1))}
         rows = batch["rows"]

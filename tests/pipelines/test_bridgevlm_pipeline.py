@@ -19,8 +19,9 @@ from tests.pipelines.test_base_pipeline import mlflow_client
 pytestmark = pytest.mark.slow
 
 P = Path("pipelines/bridgevlm")
-ARMS = ("answer_only", "prompt_level", "bridgevlm", "no_dag", "no_node", "no_graph", "oracle")
-CAUSAL = ("bridgevlm", "no_dag", "no_node", "no_graph")
+ARMS = ("answer_only", "prompt_level", "bridgevlm", "bridgevlm_concat", "no_dag", "no_node",
+        "no_graph", "oracle")
+CAUSAL = ("bridgevlm", "bridgevlm_concat", "no_dag", "no_node", "no_graph")
 
 
 @pytest.fixture(scope="module")
@@ -67,14 +68,15 @@ def test_pairs_arms_models_and_claims(bvlm_repo: Path):
     module = causal.CausalModule(vlm.model.config.text_config.hidden_size,
                                  causal.CausalSpec(**shape["spec"]), 4, 4,
                                  dag=shape["dag"], node_tokens=shape["node_tokens"],
-                                 graph_tokens=shape["graph_tokens"])
+                                 graph_tokens=shape["graph_tokens"],
+                                 decoder_ramp=shape["decoder_ramp"])
     from safetensors.torch import load_file
     module.load_state_dict(load_file(str(folder / "causal.safetensors")), strict=True)
 
     head = json.loads((bvlm_repo / P / "metrics/compare.json").read_text())
     cmp = json.loads((bvlm_repo / P / "details/compare.json").read_text())
     tested = sum(head[k] for k in ("reproduced", "inconclusive", "contradicted"))
-    assert tested + head["not_tested"] == 9          # 8 arm claims + the induction claim
+    assert tested + head["not_tested"] == 10         # 9 arm claims + the induction claim
     assert cmp.get("claim/interv_vs_prompt/paper_effect") == 0.212 or \
         cmp.get("claim/interv_vs_prompt/not_tested") == 1
     assert cmp["memorised_f1"] == pytest.approx(2 / 7)

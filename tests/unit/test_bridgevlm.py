@@ -174,6 +174,89 @@ def test_causal_module_token_counts_per_ablation():
         causal.CausalModule(16, spec, 4, 4, node_tokens=False, graph_tokens=False)
 
 
+
+def _tiny_bridge(decoder_ramp: bool, seed: int = 0):
+    """A 4-layer BridgeVLM (d = 32) with a causal module, a tokenizer and one left-padded batch of
+    three prompts whose images are random pixels."""
+    from stages.bridgevlm import train
+    from stages.models import vlm as vlm_model
+
+    rows = pendulum.generate_splits(pendulum.TaskConfig(), {"test": 1, "val": 1, "train": 3},
+                                    seed=0)["train"]
+    tok = vlm_model.build_tokenizer("word", train.tokenizer_texts(rows))
+    cfg = train.Config(
+        arms={"b": train.Arm(causal=True, decoder_ramp=decoder_ramp)},
+        spec=vlm_model.Spec(image_size=32, patch_size=16, vision_hidden=16, vision_heads=2,
+                            hidden_size=32, num_layers=4, num_heads=2, intermediate_size=64,
+                            max_positions=128),
+        causal=causal.CausalSpec(heads=2, decoder_layers=[1, 2]))
+    torch.manual_seed(seed)
+    model = train.build_model(cfg, cfg.arms["b"], tok).eval()
+    n_causal = train.causal_tokens(cfg, cfg.arms["b"])
+    prompts = []
+    for i, row in enumerate(rows):
+        kind = bmodel.QUESTION_KINDS[i]              # prompts of different lengths
+        ids, kinds = bmodel.encode_prompt(tok, bmodel.query_of(row, kind), 4, n_causal)
+        prompts.append({"row": i, "ids": ids, "kinds": kinds})
+    width = max(len(p["ids"]) for p in prompts)
+    ids = torch.full((3, width), tok.pad_token_id)
+    kinds = torch.zeros((3, width), dtype=torch.long)
+    mask = torch.zeros((3, width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        k = len(p["ids"])
+        ids[i, width - k:], kinds[i, width - k:] = torch.tensor(p["ids"]), torch.tensor(p["kinds"])
+        mask[i, width - k:] = 1
+    g = torch.Generator().manual_seed(1)
+    images = (torch.rand(3, 3, 32, 32, generator=g) * 2 - 1,
+              torch.rand(3, 3, 32, 32, generator=g) * 2 - 1)
+    return model, tok, ids, kinds, mask, images
+
+
+def test_in_decoder_ramp_starts_as_input_concat_and_updates_only_node_positions():
+    concat, _, ids, kinds, mask, images = _tiny_bridge(decoder_ramp=False)
+    deep, tok, *_ = _tiny_bridge(decoder_ramp=True)
+    assert deep.causal.decoder_ramp and not concat.causal.decoder_ramp
+    # the extra weights are drawn last: every other weight equals the input-concat twin's
+    shared = concat.state_dict()
+    assert all(torch.equal(v, shared[k]) for k, v in deep.state_dict().items() if k in shared)
+    assert set(deep.state_dict()) - set(shared) and all(
+        k.startswith("causal.dec_") for k in set(deep.state_dict()) - set(shared))
+    with torch.no_grad():
+        emb, extra = deep.embed(ids, kinds, images)
+        base = deep.logits(emb, mask)                        # hooks off
+        same = deep.logits(emb, mask, kinds, extra)          # hooks on, zero-initialised MLPs
+        assert torch.equal(base, same)
+        for mlp in deep.causal.dec_mlp:                      # a trained update: non-zero
+            torch.nn.init.normal_(mlp[-1].weight, std=0.5)
+        moved = deep.logits(emb, mask, kinds, extra)
+        # causal attention: real tokens before the node tokens cannot see the update (left
+        # padding attends anywhere, being fully masked); the tokens after them do
+        before = (mask == 1) & ((kinds == 2).long().cumsum(-1) == 0)
+        assert before.sum() > 10 and torch.equal(moved[before], base[before])
+        assert not torch.allclose(moved[:, -1], base[:, -1])
+        # the hooks are gone after the forward: a plain pass equals the unhooked one
+        assert torch.equal(deep.logits(emb, mask), base)
+        # greedy's prompt pass (with the KV cache) applies the same update as the training
+        # forward: its first token is the argmax of the hooked logits at the last position
+        out, _ = deep.greedy(ids, kinds, mask, images, 2, tok.eos_token_id)
+        want = moved[:, -1].argmax(-1).tolist()
+        assert [o[0] if o else tok.eos_token_id for o in out] == want
+    # the update is the RAMP residual on the node states with the same A (hand-wired check)
+    x, a = torch.randn(2, 4, 32), extra["causal"]["a"][:2]
+    dn, up = causal.ramp_messages(a, x, deep.causal.dec_w_dn[0], deep.causal.dec_w_up[0])
+    assert torch.allclose(deep.causal.decoder_update(0, x, a),
+                          x + deep.causal.dec_mlp[0](torch.cat([x, dn, up], -1)))
+    # no node tokens, nothing to update; a layer the decoder lacks is refused
+    spec = causal.CausalSpec()
+    assert not causal.CausalModule(16, spec, 4, 4, node_tokens=False, decoder_ramp=True
+                                   ).decoder_ramp
+    from stages.bridgevlm import train
+    with pytest.raises(ValueError, match=r"decoder_layers \[4\] do not exist"):
+        train.Config(arms={"b": train.Arm(causal=True)},
+                     causal=causal.CausalSpec(decoder_layers=[1, 4]))
+    with pytest.raises(ValueError, match="increasing order"):
+        causal.CausalSpec(decoder_layers=[2, 1])
+
 # --- the SCMs and the prompts ----------------------------------------------------------------
 
 def test_scm_mechanisms_interventions_and_descendants():
