@@ -182,30 +182,44 @@ def paired_bootstrap(statistic: Callable[[Sequence[Record], Sequence[int] | None
 
 def paired_ratio_bootstrap(num_m: Sequence[float], den_m: Sequence[float],
                            num_b: Sequence[float], den_b: Sequence[float], *,
-                           relative: bool = False, draws: int = 2000, seed: int = 0
+                           strata: Sequence[Any] | None = None, relative: bool = False,
+                           draws: int = 2000, seed: int = 0
                            ) -> tuple[float, float, float, list[float]]:
     """`paired_bootstrap` for a statistic that is a ratio of sums over the pairs (CHAIR_S:
     hallucinating captions / captions; CHAIR_I: hallucinated / mentioned; POPE F1: 2 TP /
     (predicted yes + labelled yes)), vectorised with numpy: the same resampled pairs on both
     sides. -> (difference, 95% CI low, high, per-pair differences). The per-pair differences
     are the linearisation d_i = n (num_m_i / sum den_m - num_b_i / sum den_b) (their mean is the
-    difference; divided by the baseline's statistic when `relative`), for the MDE."""
+    difference; divided by the baseline's statistic when `relative`, per draw for the CI), for
+    the MDE.
+
+    `strata` (e.g. the seed of each pair): each draw resamples the pairs *within each stratum*,
+    as many as it has, and recomputes both ratios over all strata. Pooling (seed, image) pairs
+    as one sample would let a draw hold more pairs of one seed than another, mixing
+    seed-to-seed differences into the spread as if they were image noise. None: one stratum
+    (the same draws as resampling all pairs)."""
     import numpy as np
 
     arrays = [np.asarray(a, dtype=float) for a in (num_m, den_m, num_b, den_b)]
     n = len(arrays[0])
-    if n == 0 or any(len(a) != n for a in arrays):
-        raise ValueError(f"paired ratios need four equally long non-empty columns, got "
-                         f"{[len(a) for a in arrays]}")
+    if n == 0 or any(len(a) != n for a in arrays) or (strata is not None and len(strata) != n):
+        got = ([] if strata is None else [len(strata)]) + [len(a) for a in arrays]
+        raise ValueError(f"paired ratios need equally long non-empty columns "
+                         f"({'strata, ' if strata is not None else ''}num_m, den_m, num_b, "
+                         f"den_b), got {got}")
     nm, dm, nb, db = arrays
 
     def ratio(num: Any, den: Any) -> Any:
         with np.errstate(invalid="ignore", divide="ignore"):
             return np.where(den > 0, num / np.where(den > 0, den, 1.0), np.nan)
 
+    rng = np.random.default_rng(seed)
+    labels = np.zeros(n, dtype=int) if strata is None else np.asarray(list(strata))
+    idx = np.concatenate([pos[rng.integers(0, len(pos), size=(draws, len(pos)))]
+                          for pos in (np.flatnonzero(labels == s) for s in np.unique(labels))],
+                         axis=1)                                      # (draws, n)
     base = float(ratio(nb.sum(), db.sum()))
     diff = float(ratio(nm.sum(), dm.sum())) - base
-    idx = np.random.default_rng(seed).integers(0, n, size=(draws, n))
     b = ratio(nb[idx].sum(1), db[idx].sum(1))
     d = ratio(nm[idx].sum(1), dm[idx].sum(1)) - b
     per_pair = n * (ratio(nm, dm.sum()) - ratio(nb, db.sum()))

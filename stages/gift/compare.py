@@ -1,10 +1,10 @@
 """Stage `compare` of GIFT: the arms side by side and the paper's claims by the house rule.
 
 Pairs are (seed, test image): the same image captioned / questioned by both arms on the same
-checkpoint. Each claim is a paired percentile bootstrap 95% CI (`stratified_ratio_bootstrap`:
-CHAIR_S, CHAIR_I and POPE F1 are ratios of sums over all seeds; each draw resamples the images
-within each seed separately, the same draw on both arms, so every seed keeps its number of
-pairs), turned into a verdict (reproduced / contradicted / inconclusive, with the MDE): by
+checkpoint. Each claim is a paired percentile bootstrap 95% CI
+(`hallucination.paired_ratio_bootstrap`, the seeds as strata: CHAIR_S, CHAIR_I and POPE F1 are
+ratios of sums over all seeds; each draw resamples the images within each seed separately, the
+same draw on both arms, so every seed keeps its number of pairs), turned into a verdict (reproduced / contradicted / inconclusive, with the MDE): by
 `stats.verdict` for "lower" / "higher" claims, by `stats.noninferiority` with the margin
 `pope_margin` for "does not fall" claims.
 
@@ -34,6 +34,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from stages.core import stats
+from stages.evaluate import hallucination
 from stages.gift import arms as gift_arms
 
 # name -> (method arm, baseline arm, statistic, relative, direction, rule, paper effect, text).
@@ -103,56 +104,6 @@ def ratio_columns(captions: Any, pope: Any, arm: str, statistic: str) -> tuple[A
     return keys, agg["num"].to_numpy(), agg["den"].to_numpy()
 
 
-def stratified_ratio_bootstrap(strata: Sequence[Any], num_m: Sequence[float],
-                               den_m: Sequence[float], num_b: Sequence[float],
-                               den_b: Sequence[float], *, relative: bool = False,
-                               draws: int = 2000, seed: int = 0
-                               ) -> tuple[float, float, float, list[float]]:
-    """Paired percentile bootstrap 95% CI of (method - baseline) for a ratio of sums (CHAIR_S,
-    CHAIR_I, POPE F1), stratified by `strata` (the seed of each pair): each draw resamples the
-    pairs *within each stratum*, with replacement and as many as it has, recomputes both ratios
-    over all strata, and uses the same draw on both sides (same image, same seed). Pooling the
-    (seed, image) pairs as one sample would let a draw hold more pairs of one seed than another,
-    mixing seed-to-seed differences into the spread as if they were image noise.
-    -> (difference, low, high, per-pair differences), as `hallucination.paired_ratio_bootstrap`
-    (the per-pair linearisation n (num_m_i / sum den_m - num_b_i / sum den_b), for the MDE;
-    relative: all divided by the baseline's ratio, per draw for the CI)."""
-    import numpy as np
-
-    arrays = [np.asarray(a, dtype=float) for a in (num_m, den_m, num_b, den_b)]
-    n = len(arrays[0])
-    if n == 0 or any(len(a) != n for a in arrays) or len(strata) != n:
-        raise ValueError(f"paired ratios need five equally long non-empty columns (strata, "
-                         f"num_m, den_m, num_b, den_b), got "
-                         f"{[len(strata)] + [len(a) for a in arrays]}")
-    nm, dm, nb, db = arrays
-
-    def ratio(num: Any, den: Any) -> Any:
-        with np.errstate(invalid="ignore", divide="ignore"):
-            return np.where(den > 0, num / np.where(den > 0, den, 1.0), np.nan)
-
-    rng = np.random.default_rng(seed)
-    labels = np.asarray(list(strata))
-    idx = np.concatenate([pos[rng.integers(0, len(pos), size=(draws, len(pos)))]
-                          for pos in (np.flatnonzero(labels == s) for s in np.unique(labels))],
-                         axis=1)                                      # (draws, n)
-    base = float(ratio(nb.sum(), db.sum()))
-    diff = float(ratio(nm.sum(), dm.sum())) - base
-    b = ratio(nb[idx].sum(1), db[idx].sum(1))
-    d = ratio(nm[idx].sum(1), dm[idx].sum(1)) - b
-    per_pair = n * (ratio(nm, dm.sum()) - ratio(nb, db.sum()))
-    if relative:
-        with np.errstate(invalid="ignore", divide="ignore"):
-            d = np.where(b != 0, d / np.where(b != 0, b, 1.0), np.nan)
-        diff = diff / base if base else math.nan
-        per_pair = per_pair / base if base else per_pair * math.nan
-    d = np.sort(d[np.isfinite(d)])
-    if not len(d):
-        return diff, math.nan, math.nan, [float(x) for x in per_pair]
-    low, high = d[int(0.025 * (len(d) - 1))], d[int(0.975 * (len(d) - 1))]
-    return diff, float(low), float(high), [float(x) for x in per_pair]
-
-
 def claim_for(captions: Any, pope: Any, method: str, baseline: str, statistic: str,
               relative: bool, direction: int, paper: float | None, draws: int,
               margin: float | None = None) -> stats.Claim:
@@ -163,8 +114,8 @@ def claim_for(captions: Any, pope: Any, method: str, baseline: str, statistic: s
     if km != kb:
         raise ValueError(f"arms {method!r} and {baseline!r} cover different (seed, image) pairs: "
                          f"decode them on the same seeds and images")
-    diff, low, high, per_pair = stratified_ratio_bootstrap(
-        [seed for seed, _ in km], nm, dm, nb, db, relative=relative, draws=draws)
+    diff, low, high, per_pair = hallucination.paired_ratio_bootstrap(
+        nm, dm, nb, db, strata=[seed for seed, _ in km], relative=relative, draws=draws)
     c = stats.claim_from_ci(diff, low, high, diffs=per_pair, direction=direction,
                             paper_effect=paper)
     if margin is None:
