@@ -45,6 +45,12 @@ class Config(BaseModel):
     samples: str = Field("vlm_samples", description="path key: generated outputs (parquet)")
     seeds: list[int] = Field(default_factory=lambda: [0, 1, 2], min_length=1,
                              description="the seeds both train stages trained")
+    shapes_seeds: list[int] | None = Field(None, min_length=1, description="vlm-shapes seeds, "
+                                           "where train_shapes trained more than `seeds` "
+                                           "(SAME's 5 seeds); None: `seeds`")
+
+    def family_seeds(self, family: str) -> list[int]:
+        return self.shapes_seeds if family == "shapes" and self.shapes_seeds else self.seeds
     split: str = Field("test", description="split the gates are measured on")
     max_rows: int | None = Field(None, ge=1, description="evaluate at most this many rows")
     caption_tokens: int = Field(24, ge=1, le=512, description="max new tokens of a caption")
@@ -171,7 +177,8 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     data_dir = ctx.path(cfg.data)
     folders = {"shapes": ctx.path(cfg.shapes_models), "text": ctx.path(cfg.text_models)}
     for family, folder in folders.items():      # every model present before any compute
-        missing = [s for s in cfg.seeds if not (folder / f"seed{s}" / "config.json").is_file()]
+        missing = [s for s in cfg.family_seeds(family)
+                   if not (folder / f"seed{s}" / "config.json").is_file()]
         if missing:
             raise FileNotFoundError(f"{folder}: no model for seeds {missing}; run the "
                                     f"train_{family} stage with these seeds")
@@ -183,7 +190,7 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
         df, images, qa = load_family(data_dir, fam, cfg.split, None)
         if cfg.max_rows:
             df, images = df.head(cfg.max_rows), images[:cfg.max_rows]
-        for seed in cfg.seeds:
+        for seed in cfg.family_seeds(family):
             vlm = vlm_model.load_vlm(folders[family] / f"seed{seed}")
             if family == "shapes":
                 m, samples = evaluate_shapes(vlm, df, images, qa, cfg)
@@ -243,8 +250,12 @@ def results_table(metrics: dict[str, dict[str, Any]]) -> str:
     if "shapes/chair_sentence_mean" not in m:
         return "_No results yet: run the pipeline._\n"
     seeds = sorted({int(k.split("/")[1][4:]) for k in m if k.count("/") == 2})
-    lines = [f"Test split, greedy decoding, mean ± std over {len(seeds)} training seeds "
-             f"({', '.join(map(str, seeds))}).", "",
+    per_family = {f: sorted({int(k.split("/")[1][4:]) for k in m
+                             if k.count("/") == 2 and k.startswith(f"{f}/")})
+                  for f in ("shapes", "text")}
+    lines = [f"Test split, greedy decoding, mean ± std over training seeds (vlm-shapes: "
+             f"{', '.join(map(str, per_family['shapes']))}; vlm-text: "
+             f"{', '.join(map(str, per_family['text']))}).", "",
              "| model | metric | mean ± std | per seed |", "|---|---|---|---|"]
     for family, key, label in ROWS:
         mean, std = m.get(f"{family}/{key}_mean"), m.get(f"{family}/{key}_std")
