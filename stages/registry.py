@@ -337,8 +337,9 @@ PAPERS: dict[str, dict[str, str]] = {
                          "the frozen tiny VLM (accuracy, BWT, router drift)"},
     "bridgevlm": {"paper": "BridgeVLM, arXiv 2606.11745",
                   "compares": "Causal Tokens from an induced soft DAG (RAMP, M3S) vs answer-only "
-                              "and prompt-level fine-tuning, three ablations and a true-variable "
-                              "oracle (tiny VLM, rendered SCM image pairs)"},
+                              "and prompt-level fine-tuning, three ablations, RAMP before the "
+                              "decoder only, and a true-variable oracle (tiny VLM, rendered SCM "
+                              "image pairs)"},
     "ampd": {"paper": "AMPD, arXiv 2602.14516",
              "compares": "local vs remote (incremental) prefill routing, reordering and a replica "
                          "ILP vs Dynamo-like, always-local and colocated serving (simulated)"},
