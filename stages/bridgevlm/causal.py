@@ -22,9 +22,10 @@ Placement (spec §2 reconciles the abstract's "injected into the decoder" with t
 "concatenated into the decoder input"): the Causal Tokens go into the input after the visual
 tokens, and at 2-3 decoder layers the RAMP residual updates the node-token positions again with
 the same A, while every other token attends to them normally ([reconstructed]; the layers are
-`CausalSpec.decoder_layers`). Each decoder update has its own W_dn, W_up and MLP, whose last
-layer starts at zero ([ours]), so a model starts as its input-concat twin and learns how much
-in-decoder message passing to use. The arm `bridgevlm_concat` (input-concat only) is the
+`CausalSpec.decoder_layers`; the graph pooling and its feedback are not repeated there, and
+graph-token positions are left as they are). Each decoder update has its own W_dn, W_up and MLP,
+whose last layer starts at zero ([ours]), so a model starts as its input-concat twin and learns
+how much in-decoder message passing to use. The arm `bridgevlm_concat` (input-concat only) is the
 ablation spec §6 asks for. Structure F1 is computed after Hungarian alignment of nodes to
 variables on the alignment scores.
 

@@ -164,14 +164,17 @@ class BridgeVLM(nn.Module):
         return emb, extra
 
     @contextmanager
-    def decoder_ramp(self, kinds: torch.Tensor, extra: dict) -> Iterator[None]:
+    def decoder_ramp(self, kinds: torch.Tensor | None, extra: dict) -> Iterator[None]:
         """While open, the decoder layers in `CausalSpec.decoder_layers` apply the RAMP residual
         (`CausalModule.decoder_update`) to the node-token positions of a forward over the whole
         prompt, with the A that built this batch's Causal Tokens (`extra['causal']`). A no-op
         for a model without the in-decoder RAMP."""
-        if self.causal is None or not self.causal.decoder_ramp or "causal" not in extra:
+        if self.causal is None or not self.causal.decoder_ramp:
             yield
             return
+        if kinds is None or "causal" not in extra:
+            raise ValueError("this model runs RAMP inside its decoder: pass the batch's `kinds` "
+                             "and the `extra` of `embed` (with the causal module's output)")
         a, m = extra["causal"]["a"], self.causal.spec.nodes
         causal = kinds == 2
         nodes = causal & (causal.long().cumsum(-1) <= m)   # node tokens come first: [H; G]
@@ -196,8 +199,8 @@ class BridgeVLM(nn.Module):
 
     def logits(self, emb: torch.Tensor, mask: torch.Tensor, kinds: torch.Tensor | None = None,
                extra: dict | None = None) -> torch.Tensor:
-        """Next-token logits over a batch; `kinds` and `extra` (from `embed`) turn on the
-        in-decoder RAMP of a model that has it."""
+        """Next-token logits over a batch; a model with the in-decoder RAMP needs `kinds` and
+        `extra` (from `embed`), and refuses to run without them."""
         pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
         with self.decoder_ramp(kinds, extra or {}):
             h = self.llava.model.language_model(inputs_embeds=emb, attention_mask=mask,

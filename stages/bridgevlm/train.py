@@ -159,10 +159,16 @@ class Config(BaseModel):
         if unknown:
             raise ValueError(f"edge_label_scms {unknown} unknown; expected some of "
                              f"{sorted(pendulum.SCMS)}")
+        in_decoder = sorted(n for n, a in self.arms.items()
+                            if a.causal and a.decoder_ramp and a.node_tokens)
         deep = [k for k in self.causal.decoder_layers if k >= self.spec.num_layers]
-        if deep and any(a.causal and a.decoder_ramp for a in self.arms.values()):
+        if in_decoder and deep:
             raise ValueError(f"causal.decoder_layers {deep} do not exist in a "
                              f"{self.spec.num_layers}-layer decoder")
+        if in_decoder and not self.causal.decoder_layers:
+            raise ValueError(f"arms {in_decoder} run RAMP inside the decoder (decoder_ramp) but "
+                             f"causal.decoder_layers is empty: name the layers, or set "
+                             f"decoder_ramp: false")
         side = self.spec.image_size // self.spec.patch_size
         if side % 2:
             raise ValueError(f"image_size / patch_size = {side} patches per side: must be even "

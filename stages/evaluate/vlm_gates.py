@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from stages.core import io
 
@@ -48,6 +48,13 @@ class Config(BaseModel):
     shapes_seeds: list[int] | None = Field(None, min_length=1, description="vlm-shapes seeds, "
                                            "where train_shapes trained more than `seeds` "
                                            "(SAME's 5 seeds); None: `seeds`")
+
+    @field_validator("seeds", "shapes_seeds")
+    @classmethod
+    def _distinct(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and len(set(value)) != len(value):
+            raise ValueError(f"seeds {value} repeat a seed")
+        return value
 
     def family_seeds(self, family: str) -> list[int]:
         return self.shapes_seeds if family == "shapes" and self.shapes_seeds else self.seeds

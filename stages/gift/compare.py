@@ -4,9 +4,10 @@ Pairs are (seed, test image): the same image captioned / questioned by both arms
 checkpoint. Each claim is a paired percentile bootstrap 95% CI
 (`hallucination.paired_ratio_bootstrap`, the seeds as strata: CHAIR_S, CHAIR_I and POPE F1 are
 ratios of sums over all seeds; each draw resamples the images within each seed separately, the
-same draw on both arms, so every seed keeps its number of pairs), turned into a verdict (reproduced / contradicted / inconclusive, with the MDE): by
-`stats.verdict` for "lower" / "higher" claims, by `stats.noninferiority` with the margin
-`pope_margin` for "does not fall" claims.
+same draw on both arms, so every seed keeps its number of pairs), turned into a verdict
+(reproduced / contradicted / inconclusive, with the MDE): by `stats.verdict` for "lower" /
+"higher" claims, by `stats.noninferiority` with the margin `pope_margin` for "does not fall"
+claims.
 
 Claims (GIFT, arXiv 2510.22067; numbers [secondary], GIFT spec §1):
 - CHAIR_S falls relative to greedy: paper -20.7% (50.2 -> 39.8, LLaVA-1.5-7B);
@@ -28,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field

@@ -212,41 +212,70 @@ def _tiny_bridge(decoder_ramp: bool, seed: int = 0):
     return model, tok, ids, kinds, mask, images
 
 
+def _plain_logits(model, emb, mask):
+    """The decoder without any hook: the reference the in-decoder RAMP is compared with."""
+    pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    h = model.llava.model.language_model(inputs_embeds=emb, attention_mask=mask,
+                                         position_ids=pos).last_hidden_state
+    return model.llava.lm_head(h)
+
+
 def test_in_decoder_ramp_starts_as_input_concat_and_updates_only_node_positions():
     concat, _, ids, kinds, mask, images = _tiny_bridge(decoder_ramp=False)
     deep, tok, *_ = _tiny_bridge(decoder_ramp=True)
     assert deep.causal.decoder_ramp and not concat.causal.decoder_ramp
-    # the extra weights are drawn last: every other weight equals the input-concat twin's
+    # the extra weights are drawn on a forked RNG: every other weight equals the twin's
     shared = concat.state_dict()
     assert all(torch.equal(v, shared[k]) for k, v in deep.state_dict().items() if k in shared)
     assert set(deep.state_dict()) - set(shared) and all(
         k.startswith("causal.dec_") for k in set(deep.state_dict()) - set(shared))
+    nodes = (kinds == 2) & ((kinds == 2).long().cumsum(-1) <= deep.causal.spec.nodes)
+    layers = deep.llava.model.language_model.layers
     with torch.no_grad():
         emb, extra = deep.embed(ids, kinds, images)
-        base = deep.logits(emb, mask)                        # hooks off
-        same = deep.logits(emb, mask, kinds, extra)          # hooks on, zero-initialised MLPs
-        assert torch.equal(base, same)
-        for mlp in deep.causal.dec_mlp:                      # a trained update: non-zero
+        base = _plain_logits(deep, emb, mask)
+        assert torch.equal(deep.logits(emb, mask, kinds, extra), base)   # zero-init: no-op
+        with pytest.raises(ValueError, match="RAMP inside its decoder"):
+            deep.logits(emb, mask)                     # silently unhooked: refused
+        for mlp in deep.causal.dec_mlp:                # a trained update: non-zero
             torch.nn.init.normal_(mlp[-1].weight, std=0.5)
+        seen = {}                                      # what layer 2 reads: layer 1's output
+        handle = layers[2].register_forward_pre_hook(
+            lambda _m, args: seen.setdefault(len(seen), args[0].clone()))
+        base = _plain_logits(deep, emb, mask)
         moved = deep.logits(emb, mask, kinds, extra)
+        handle.remove()
+        # after hooked layer 1 only the node-token positions differ (graph tokens, text and
+        # visual tokens are as without the update)
+        assert torch.equal(seen[1][~nodes], seen[0][~nodes])
+        assert not torch.allclose(seen[1][nodes], seen[0][nodes])
         # causal attention: real tokens before the node tokens cannot see the update (left
         # padding attends anywhere, being fully masked); the tokens after them do
         before = (mask == 1) & ((kinds == 2).long().cumsum(-1) == 0)
         assert before.sum() > 10 and torch.equal(moved[before], base[before])
         assert not torch.allclose(moved[:, -1], base[:, -1])
-        # the hooks are gone after the forward: a plain pass equals the unhooked one
-        assert torch.equal(deep.logits(emb, mask), base)
+        # the hooks are gone after the forward
+        assert torch.equal(_plain_logits(deep, emb, mask), base)
         # greedy's prompt pass (with the KV cache) applies the same update as the training
-        # forward: its first token is the argmax of the hooked logits at the last position
+        # forward: its first token is the argmax of the hooked logits, which differs from the
+        # unhooked one on some prompt (so the check can fail)
         out, _ = deep.greedy(ids, kinds, mask, images, 2, tok.eos_token_id)
         want = moved[:, -1].argmax(-1).tolist()
+        assert want != base[:, -1].argmax(-1).tolist()
         assert [o[0] if o else tok.eos_token_id for o in out] == want
-    # the update is the RAMP residual on the node states with the same A (hand-wired check)
-    x, a = torch.randn(2, 4, 32), extra["causal"]["a"][:2]
-    dn, up = causal.ramp_messages(a, x, deep.causal.dec_w_dn[0], deep.causal.dec_w_up[0])
-    assert torch.allclose(deep.causal.decoder_update(0, x, a),
-                          x + deep.causal.dec_mlp[0](torch.cat([x, dn, up], -1)))
-    # no node tokens, nothing to update; a layer the decoder lacks is refused
+        # messages follow A only: with the single edge 0 -> 1, node 2 sees nobody, node 0
+        # hears from its child 1 (msg_up) and node 1 from its parent 0 (msg_dn)
+        a = torch.zeros(1, 4, 4)
+        a[0, 0, 1] = 1.0
+        x = torch.randn(1, 4, 32, generator=torch.Generator().manual_seed(3))
+        ref = deep.causal.decoder_update(0, x, a)
+        for node, reaches in ((0, {0, 1}), (1, {0, 1}), (2, {2}), (3, {3})):
+            y = x.clone()
+            y[0, node] += 1.0
+            changed = {k for k in range(4)
+                       if not torch.allclose(deep.causal.decoder_update(0, y, a)[0, k], ref[0, k])}
+            assert changed == reaches, (node, changed)
+    # no node tokens, nothing to update; a layer the decoder lacks, or none, is refused
     spec = causal.CausalSpec()
     assert not causal.CausalModule(16, spec, 4, 4, node_tokens=False, decoder_ramp=True
                                    ).decoder_ramp
@@ -254,8 +283,14 @@ def test_in_decoder_ramp_starts_as_input_concat_and_updates_only_node_positions(
     with pytest.raises(ValueError, match=r"decoder_layers \[4\] do not exist"):
         train.Config(arms={"b": train.Arm(causal=True)},
                      causal=causal.CausalSpec(decoder_layers=[1, 4]))
+    with pytest.raises(ValueError, match="decoder_layers is empty"):
+        train.Config(arms={"b": train.Arm(causal=True)},
+                     causal=causal.CausalSpec(decoder_layers=[]))
+    train.Config(arms={"b": train.Arm(causal=True, decoder_ramp=False)},
+                 causal=causal.CausalSpec(decoder_layers=[]))
     with pytest.raises(ValueError, match="increasing order"):
         causal.CausalSpec(decoder_layers=[2, 1])
+
 
 # --- the SCMs and the prompts ----------------------------------------------------------------
 
