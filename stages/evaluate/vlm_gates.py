@@ -44,20 +44,11 @@ class Config(BaseModel):
     text_models: str = Field("vlm_text", description="path key: seed<k>/ text models")
     samples: str = Field("vlm_samples", description="path key: generated outputs (parquet)")
     seeds: list[int] = Field(default_factory=lambda: [0, 1, 2], min_length=1,
-                             description="the seeds both train stages trained")
+                             description="the vlm-text seeds, and the vlm-shapes ones "
+                                         "unless `shapes_seeds` is set")
     shapes_seeds: list[int] | None = Field(None, min_length=1, description="vlm-shapes seeds, "
                                            "where train_shapes trained more than `seeds` "
                                            "(SAME's 5 seeds); None: `seeds`")
-
-    @field_validator("seeds", "shapes_seeds")
-    @classmethod
-    def _distinct(cls, value: list[int] | None) -> list[int] | None:
-        if value is not None and len(set(value)) != len(value):
-            raise ValueError(f"seeds {value} repeat a seed")
-        return value
-
-    def family_seeds(self, family: str) -> list[int]:
-        return self.shapes_seeds if family == "shapes" and self.shapes_seeds else self.seeds
     split: str = Field("test", description="split the gates are measured on")
     max_rows: int | None = Field(None, ge=1, description="evaluate at most this many rows")
     caption_tokens: int = Field(24, ge=1, le=512, description="max new tokens of a caption")
@@ -68,6 +59,17 @@ class Config(BaseModel):
     min_chair_sentence: float = Field(0.20, ge=0, le=1, description="gate: CHAIR_S at least this")
     min_ocr_exact: float = Field(0.98, ge=0, le=1, description="gate: OCR exact match at least")
     num_threads: int = Field(0, ge=0, le=256, description="torch threads; 0 = all cores")
+
+    @field_validator("seeds", "shapes_seeds")
+    @classmethod
+    def _distinct(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and len(set(value)) != len(value):
+            raise ValueError(f"seeds {value} repeat a seed")
+        return value
+
+    def family_seeds(self, family: str) -> list[int]:
+        """The seeds whose models `family` ('shapes' or 'text') is gated on."""
+        return self.shapes_seeds if family == "shapes" and self.shapes_seeds else self.seeds
 
 
 def sink_attention(vlm: Any, prompts: list[list[int]], images: list[Any]) -> float:

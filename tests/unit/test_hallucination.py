@@ -78,3 +78,15 @@ def test_paired_ratio_bootstrap_by_hand():
     assert same[:3] == (0.0, 0.0, 0.0)
     with pytest.raises(ValueError, match="equally long"):
         metrics.paired_ratio_bootstrap([1], [1], [1, 2], [1, 1])
+
+
+def test_gates_seeds_per_family_and_repeated_seeds_refused():
+    from stages.evaluate.vlm_gates import Config
+
+    cfg = Config(seeds=[0, 1, 2], shapes_seeds=[0, 1, 2, 3, 4])
+    assert cfg.family_seeds("shapes") == [0, 1, 2, 3, 4] and cfg.family_seeds("text") == [0, 1, 2]
+    assert Config(seeds=[0, 1]).family_seeds("shapes") == [0, 1]
+    with pytest.raises(ValueError, match="repeat a seed"):
+        Config(shapes_seeds=[0, 1, 1])
+    with pytest.raises(ValueError, match="repeat a seed"):
+        Config(seeds=[2, 2])
