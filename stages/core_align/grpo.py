@@ -29,7 +29,6 @@ verifier; `train_page_grpo` below is the same GRPOConfig for the VLM.
 from __future__ import annotations
 
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any, Literal
@@ -38,8 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from stages.core import io
 from stages.core_align.core import CoReGRPOParams
-from stages.core_align.sft import (MODALITIES, accuracy, answer_rows, answers_frame, load_split,
-                                   mean_nll)
+from stages.core_align.sft import load_split, map_seeds, record_seeds, score_arm
 from stages.models import vlm as vlm_model
 
 RL_ARMS = ("visual_grpo", "core_grpo")
@@ -227,11 +225,7 @@ def seed_arms(cfg: Config, seed: int, start_dir: Path, train_df: Any, train_imag
         m = train_page_grpo(params, vlm, train_df, train_images, seed,
                             lambda point, step, arm=arm: logs[arm].append((point, step)))
         vlm_model.save_vlm(vlm, out / arm / f"seed{seed}")
-        got = answer_rows(vlm, eval_df, eval_images, arm, seed, cfg)
-        acc = {f"acc_{mod}": accuracy(got, mod) for mod in MODALITIES}
-        acc.update({f"nll_{mod}": mean_nll(got, mod) for mod in MODALITIES})
-        print(f"grpo: seed {seed} {arm}: accuracy text {acc['acc_text']:.3f}, image "
-              f"{acc['acc_image']:.3f}", flush=True)
+        got, acc = score_arm(vlm, eval_df, eval_images, arm, seed, cfg, "grpo")
         rows += got
         metrics.update({f"{arm}/{k}": v for k, v in {**m, **acc}.items()})
     return {"rows": rows, "metrics": metrics, "logs": logs}
@@ -246,8 +240,6 @@ def _seed_job(job: tuple[Any, ...]) -> dict[str, Any]:
 
 
 def run(cfg: Config, ctx: Any) -> dict[str, float]:
-    from stages.models.base import set_threads
-
     models = ctx.path(cfg.models) / cfg.start
     missing = [s for s in cfg.seeds if not (models / f"seed{s}" / "config.json").is_file()]
     if missing:
@@ -258,50 +250,18 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     data_dir = ctx.path(cfg.data)
     train_df, train_images = load_split(data_dir, "train", cfg.kinds, size, cfg.max_train_rows)
     eval_df, eval_images = load_split(data_dir, cfg.split, cfg.kinds, size, cfg.max_eval_rows)
-    workers = min(cfg.workers, len(cfg.seeds))
-    threads = cfg.num_threads or max(1, (os.cpu_count() or 1) // workers)
     print(f"{ctx.stage}: from {cfg.start}, {train_df.height} train pages, {eval_df.height} "
           f"{cfg.split} items, arms {cfg.arms}, seeds {cfg.seeds}, {cfg.grpo.rounds} rounds x "
           f"{cfg.grpo.prompts_per_round} prompts x {cfg.grpo.num_generations}", flush=True)
-    out, answers = ctx.path(cfg.out), ctx.path(cfg.answers)
+    out = ctx.path(cfg.out)
     with io.atomic_path(out, is_dir=True) as tmp:
-        jobs = [(threads, cfg.model_dump(mode="json"), seed, models / f"seed{seed}", train_df,
-                 train_images, eval_df, eval_images, tmp) for seed in cfg.seeds]
-        if workers > 1:
-            import multiprocessing
-            from concurrent.futures import ProcessPoolExecutor
-
-            with ProcessPoolExecutor(workers,
-                                     mp_context=multiprocessing.get_context("spawn")) as pool:
-                results = list(pool.map(_seed_job, jobs))
-        else:
-            set_threads(threads)
-            results = [seed_arms(cfg, *job[2:]) for job in jobs]
+        results = map_seeds(cfg, seed_arms, _seed_job, models, (train_df, train_images),
+                            (eval_df, eval_images), tmp)
     metrics: dict[str, float] = {"rounds": float(cfg.grpo.rounds),
                                  "anchor_lambda": cfg.grpo.anchor.lam}
-    rows: list[dict[str, Any]] = []
-    for seed, result in zip(cfg.seeds, results):
-        rows += result["rows"]
-        metrics.update({f"seed{seed}/{k}": v for k, v in result["metrics"].items()})
-        for arm, logged in result["logs"].items():
-            settings = {"arm": arm, "seed": seed, "start": cfg.start,
-                        "grpo": cfg.grpo.model_dump(mode="json")}
-            with ctx.method_run("grpo", arm, seed, params=settings) as mr:
-                for point, step in logged:
-                    mr.log_metrics(point, step)
-                mr.log_metrics({k.split("/", 1)[1]: v for k, v in result["metrics"].items()
-                                if k.startswith(f"{arm}/") and math.isfinite(v)})
-    io.write_parquet(answers / "answers.parquet", answers_frame(rows))
-    if cfg.register_as and ctx.tracker is not None:
-        for seed in cfg.seeds:
-            for arm in cfg.arms:
-                aliases = [f"{arm}-seed{seed}".replace("_", "-")]
-                if seed == cfg.seeds[0]:
-                    aliases.append(arm.replace("_", "-"))
-                ctx.tracker.register_model(
-                    out / arm / f"seed{seed}", cfg.register_as, aliases,
-                    tags={"paperline.method": arm, "paperline.seed": str(seed)},
-                    artifact_path=f"model-{arm}-seed{seed}")
+    record_seeds(ctx, cfg, "grpo", results, metrics,
+                 lambda arm, seed: {"arm": arm, "seed": seed, "start": cfg.start,
+                                    "grpo": cfg.grpo.model_dump(mode="json")}, out)
     return metrics
 
 

@@ -354,14 +354,22 @@ def seed_arms(cfg: Config, seed: int, model_dir: Path, train_df: Any, train_imag
             m = train_arm(cfg, arm, vlm, pairs, pixels, seed,
                           lambda point, step, arm=arm: logs[arm].append((point, step)))
             vlm_model.save_vlm(vlm, out / arm / f"seed{seed}")
-        got = answer_rows(vlm, eval_df, eval_images, arm, seed, cfg)
-        acc = {f"acc_{mod}": accuracy(got, mod) for mod in MODALITIES}
-        acc.update({f"nll_{mod}": mean_nll(got, mod) for mod in MODALITIES})
-        print(f"sft: seed {seed} {arm}: accuracy text {acc['acc_text']:.3f}, image "
-              f"{acc['acc_image']:.3f}", flush=True)
+        got, acc = score_arm(vlm, eval_df, eval_images, arm, seed, cfg, "sft")
         rows += got
         metrics.update({f"{arm}/{k}": v for k, v in {**m, **acc}.items()})
     return {"rows": rows, "metrics": metrics, "logs": logs}
+
+
+def score_arm(vlm: vlm_model.VLM, eval_df: Any, eval_images: list[Any], arm: str, seed: int,
+              cfg: Any, stage: str) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """One trained arm answers the eval split from the text and from the page: (answer rows,
+    {acc_<modality>, nll_<modality>}). Shared by the sft and grpo stages."""
+    got = answer_rows(vlm, eval_df, eval_images, arm, seed, cfg)
+    acc = {f"acc_{mod}": accuracy(got, mod) for mod in MODALITIES}
+    acc.update({f"nll_{mod}": mean_nll(got, mod) for mod in MODALITIES})
+    print(f"{stage}: seed {seed} {arm}: accuracy text {acc['acc_text']:.3f}, image "
+          f"{acc['acc_image']:.3f}", flush=True)
+    return got, acc
 
 
 def _seed_job(job: tuple[Any, ...]) -> dict[str, Any]:
@@ -373,9 +381,57 @@ def _seed_job(job: tuple[Any, ...]) -> dict[str, Any]:
     return seed_arms(Config.model_validate(cfg), *args)
 
 
-def run(cfg: Config, ctx: Any) -> dict[str, float]:
+def map_seeds(cfg: Any, seed_arms_fn: Any, job_fn: Any, models: Path, train: tuple[Any, Any],
+              evaluation: tuple[Any, Any], out: Path) -> list[dict[str, Any]]:
+    """Run `seed_arms_fn(cfg, seed, models/seed<k>, *train, *evaluation, out)` for every seed,
+    in `cfg.workers` spawned processes (`job_fn`, the module's picklable `_seed_job`) or in this
+    one; the seeds' checkpoints land in `out`. Shared by the sft and grpo stages."""
     from stages.models.base import set_threads
 
+    workers = min(cfg.workers, len(cfg.seeds))
+    threads = cfg.num_threads or max(1, (os.cpu_count() or 1) // workers)
+    jobs = [(threads, cfg.model_dump(mode="json"), seed, models / f"seed{seed}", *train,
+             *evaluation, out) for seed in cfg.seeds]
+    print(f"{workers} worker(s) x {threads} thread(s)", flush=True)
+    if workers > 1:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            return list(pool.map(job_fn, jobs))
+    set_threads(threads)
+    return [seed_arms_fn(cfg, *job[2:]) for job in jobs]
+
+
+def record_seeds(ctx: Any, cfg: Any, stage: str, results: list[dict[str, Any]],
+                 metrics: dict[str, float], settings: Any, out: Path) -> None:
+    """Per-seed metrics into `metrics` (`seed<k>/<arm>/<name>`), one MLflow method run per
+    (arm, seed) with its training curve and final metrics (`settings(arm, seed)` its params),
+    the answers parquet, and each trained checkpoint registered with arm aliases."""
+    rows: list[dict[str, Any]] = []
+    for seed, result in zip(cfg.seeds, results):
+        rows += result["rows"]
+        metrics.update({f"seed{seed}/{k}": v for k, v in result["metrics"].items()})
+        for arm, logged in result["logs"].items():
+            with ctx.method_run(stage, arm, seed, params=settings(arm, seed)) as mr:
+                for point, step in logged:
+                    mr.log_metrics(point, step)
+                mr.log_metrics({k.split("/", 1)[1]: v for k, v in result["metrics"].items()
+                                if k.startswith(f"{arm}/") and math.isfinite(v)})
+    io.write_parquet(ctx.path(cfg.answers) / "answers.parquet", answers_frame(rows))
+    if cfg.register_as and ctx.tracker is not None:
+        for seed in cfg.seeds:
+            for arm in cfg.arms:
+                aliases = [f"{arm}-seed{seed}".replace("_", "-")]
+                if seed == cfg.seeds[0]:
+                    aliases.append(arm.replace("_", "-"))
+                ctx.tracker.register_model(
+                    out / arm / f"seed{seed}", cfg.register_as, aliases,
+                    tags={"paperline.method": arm, "paperline.seed": str(seed)},
+                    artifact_path=f"model-{arm}-seed{seed}")
+
+
+def run(cfg: Config, ctx: Any) -> dict[str, float]:
     models = ctx.path(cfg.models)
     missing = [s for s in cfg.seeds if not (models / f"seed{s}" / "config.json").is_file()]
     if missing:
@@ -392,48 +448,18 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
         "chars_per_visual_token": sum(chars) / len(chars),
         "visual_tokens": float(eval_df["visual_tokens"][0]), "steps": float(cfg.steps),
         "batch_size": float(cfg.batch_size)}
-    workers = min(cfg.workers, len(cfg.seeds))
-    threads = cfg.num_threads or max(1, (os.cpu_count() or 1) // workers)
     print(f"{ctx.stage}: {train_df.height} train pairs, {eval_df.height} {cfg.split} items, "
-          f"arms {cfg.arms}, seeds {cfg.seeds}, {cfg.steps} steps x {cfg.batch_size}, "
-          f"{workers} worker(s) x {threads} thread(s)", flush=True)
-    out, answers = ctx.path(cfg.out), ctx.path(cfg.answers)
+          f"arms {cfg.arms}, seeds {cfg.seeds}, {cfg.steps} steps x {cfg.batch_size}",
+          flush=True)
+    out = ctx.path(cfg.out)
     with io.atomic_path(out, is_dir=True) as tmp:
-        jobs = [(threads, cfg.model_dump(mode="json"), seed, models / f"seed{seed}", train_df,
-                 train_images, eval_df, eval_images, tmp) for seed in cfg.seeds]
-        if workers > 1:
-            import multiprocessing
-            from concurrent.futures import ProcessPoolExecutor
-
-            with ProcessPoolExecutor(workers,
-                                     mp_context=multiprocessing.get_context("spawn")) as pool:
-                results = list(pool.map(_seed_job, jobs))
-        else:
-            set_threads(threads)
-            results = [seed_arms(cfg, *job[2:]) for job in jobs]
-    rows: list[dict[str, Any]] = []
-    for seed, result in zip(cfg.seeds, results):
-        rows += result["rows"]
-        metrics.update({f"seed{seed}/{k}": v for k, v in result["metrics"].items()})
-        for arm, logged in result["logs"].items():
-            settings = {"arm": arm, "seed": seed, "steps": 0 if arm == "base" else cfg.steps,
-                        **({"core": cfg.core.model_dump()} if arm == "core_sft" else {})}
-            with ctx.method_run("sft", arm, seed, params=settings) as mr:
-                for point, step in logged:
-                    mr.log_metrics(point, step)
-                mr.log_metrics({k.split("/", 1)[1]: v for k, v in result["metrics"].items()
-                                if k.startswith(f"{arm}/") and math.isfinite(v)})
-    io.write_parquet(answers / "answers.parquet", answers_frame(rows))
-    if cfg.register_as and ctx.tracker is not None:
-        for seed in cfg.seeds:
-            for arm in cfg.arms:
-                aliases = [f"{arm}-seed{seed}".replace("_", "-")]
-                if seed == cfg.seeds[0]:
-                    aliases.append(arm.replace("_", "-"))
-                ctx.tracker.register_model(
-                    out / arm / f"seed{seed}", cfg.register_as, aliases,
-                    tags={"paperline.method": arm, "paperline.seed": str(seed)},
-                    artifact_path=f"model-{arm}-seed{seed}")
+        results = map_seeds(cfg, seed_arms, _seed_job, models, (train_df, train_images),
+                            (eval_df, eval_images), tmp)
+    record_seeds(ctx, cfg, "sft", results, metrics,
+                 lambda arm, seed: {"arm": arm, "seed": seed,
+                                    "steps": 0 if arm == "base" else cfg.steps,
+                                    **({"core": cfg.core.model_dump()} if arm == "core_sft"
+                                       else {})}, out)
     return metrics
 
 
