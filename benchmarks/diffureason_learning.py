@@ -9,6 +9,13 @@ steps, greedy validation accuracy (the diffusion LM with T_b = B/2 passes per bl
 pipeline's `vanilla` arm) and the first validation problem decoded. It separates what a model
 learned to copy (operands, the previous step's result) from the digit arithmetic, which is
 what the search needs. A diagnostic behind the README's "Deviations"; not a speed benchmark.
+
+`probe` (diffusion LM only): accuracy at each response position when that position ALONE is
+masked and every other token is visible, by kind: `result` (a digit right after `=` or `#`,
+the step's arithmetic), `operand` (any other digit), `symbol` (operators, `=`, `;`, `#`),
+`eos`. In the task's format a step's result is also the next step's first operand and the
+final answer, so a model can score 1.0 on `result` by copying from either side without
+knowing any arithmetic; compare it with greedy accuracy, where the right side is masked.
 """
 
 from __future__ import annotations
@@ -45,11 +52,13 @@ def main() -> None:
     val = [r for r in rows if r["split"] == "val"]
     prompts, gold = [r["prompt"] for r in val], [r["answer"] for r in val]
     x_train = encode_rows(tok, [r["prompt"] for r in train], [r["response"] for r in train], meta)
+    x_val = encode_rows(tok, prompts, [r["response"] for r in val], meta)
     size = mdlm.Config(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128,
                        max_positions=64)
     print(f"first validation problem: {val[0]['prompt']} -> {val[0]['response']}")
-    print("| model | seed | steps | train loss | val greedy acc | first problem decoded | s |")
-    print("|---|---|---|---|---|---|---|")
+    print("| model | seed | steps | train loss | val greedy acc | probe: result / operand / "
+          "symbol / eos | first problem decoded | s |")
+    print("|---|---|---|---|---|---|---|---|")
     for steps in args.steps:
         for seed in args.seeds:
             set_seed(seed)
@@ -59,8 +68,11 @@ def main() -> None:
                                   batch_size=64, lr=3e-3, seed=seed)
             dec = S.Decoder(diff, tok, meta, seed=seed)
             x = dec.vanilla(prompts, steps=cfg.block_size // 2)
+            kinds = probe(diff, tok, x_val, [r["response"] for r in val], cfg.prompt_len)
             print(f"| diffusion | {seed} | {steps} | {got['train_loss']:.3f} | "
-                  f"{S.accuracy(dec, x, gold):.2f} | `{dec.response(x[0])}` | "
+                  f"{S.accuracy(dec, x, gold):.2f} | "
+                  f"{' / '.join(f'{kinds[k]:.2f}' for k in ('result', 'operand', 'symbol', 'eos'))}"
+                  f" | `{dec.response(x[0])}` | "
                   f"{time.time() - t0:.0f} |", flush=True)
             set_seed(seed)
             t0 = time.time()
@@ -72,8 +84,33 @@ def main() -> None:
             ar.generation_config.eos_token_id = tok.eos_token_id
             x = S.ARDecoder(ar, tok, meta, seed=seed).greedy(prompts)
             print(f"| AR twin | {seed} | {steps} | {float(got['train_loss']):.3f} | "
-                  f"{S.accuracy(dec, x, gold):.2f} | `{dec.response(x[0])}` | "
+                  f"{S.accuracy(dec, x, gold):.2f} | - | `{dec.response(x[0])}` | "
                   f"{time.time() - t0:.0f} |", flush=True)
+
+
+def kind_of(response: str, j: int) -> str:
+    """What response position j holds: result, operand, symbol or eos (module docstring)."""
+    if j >= len(response):
+        return "eos"
+    if not response[j].isdigit():
+        return "symbol"
+    return "result" if j > 0 and response[j - 1] in "=#" else "operand"
+
+
+def probe(model, tok, x_val, responses: list[str], prompt_len: int) -> dict[str, float]:
+    """Single-position masked accuracy by kind (module docstring)."""
+    import torch
+
+    hits: dict[str, list[int]] = {}
+    with torch.no_grad():
+        for j in range(x_val.shape[1] - prompt_len):
+            x = x_val.clone()
+            x[:, prompt_len + j] = tok.mask_token_id
+            logits = model(input_ids=x, attention_mask=(x != tok.pad_token_id).long()).logits
+            right = logits[:, prompt_len + j].argmax(-1) == x_val[:, prompt_len + j]
+            for i, r in enumerate(responses):
+                hits.setdefault(kind_of(r, j), []).append(int(right[i]))
+    return {k: sum(v) / len(v) for k, v in hits.items()}
 
 
 if __name__ == "__main__":
