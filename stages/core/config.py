@@ -65,6 +65,33 @@ def did_you_mean(name: str, choices: Iterable[str], kind: str) -> UnknownNameErr
     return UnknownNameError(f"unknown {kind} {name!r}.{hint} Known: {', '.join(choices)}.")
 
 
+# --- arm lists of a compare stage (pydantic validator bodies) -------------------------------
+
+def unique_arms(arms: list[str]) -> list[str]:
+    """An arm list names each arm once."""
+    if len(set(arms)) != len(arms):
+        raise ValueError(f"arms {arms} list an arm twice")
+    return arms
+
+
+def check_arm(field: str, arm: str | None, arms: list[str], baseline: str | None = None) -> None:
+    """The arm a config field names is one of `arms` (and, with a baseline, not the baseline);
+    None (untested) and an empty `arms` (that family not run) pass."""
+    if arm is None or not arms:
+        return
+    if baseline is None and arm not in arms:
+        raise ValueError(f"{field} {arm!r} is not one of the arms {arms}")
+    if baseline is not None and (arm not in arms or arm == baseline):
+        raise ValueError(f"{field} {arm!r} must be one of the arms {arms} other than the "
+                         f"baseline {baseline!r}")
+
+
+def disjoint_arms(a: list[str], b: list[str], what: str) -> None:
+    """No arm is listed in two families (`what` names them, e.g. 'SFT and RL')."""
+    if set(a) & set(b):
+        raise ValueError(f"{sorted(set(a) & set(b))} are listed as both {what} arms")
+
+
 def find_root(start: str | Path | None = None) -> Path:
     """The repo root: the nearest folder upwards that holds `.dvc/` and `params.yaml`."""
     here = Path(start or Path.cwd()).resolve()

@@ -32,6 +32,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from stages.core.checks import read_json_checked
+from stages.core.config import check_arm, disjoint_arms, unique_arms
 from stages.core import io, stats
 from stages.core.stats import (Claim, check_budgets, claim_by_key, claim_metrics, mean_std,
                                read_claim)
@@ -74,28 +75,18 @@ class Config(BaseModel):
     @field_validator("sft_arms", "rl_arms")
     @classmethod
     def _unique(cls, value: list[str]) -> list[str]:
-        if len(set(value)) != len(value):
-            raise ValueError(f"arms {value} list an arm twice")
-        return value
+        return unique_arms(value)
 
     @model_validator(mode="after")
     def _baselines(self) -> "Config":
-        if self.sft_baseline not in self.sft_arms:
-            raise ValueError(f"sft_baseline {self.sft_baseline!r} is not one of {self.sft_arms}")
-        if self.rl_arms and self.rl_baseline not in self.rl_arms:
-            raise ValueError(f"rl_baseline {self.rl_baseline!r} is not one of {self.rl_arms}")
-        for name, arms, base in (("sft_method", self.sft_arms, self.sft_baseline),
-                                 ("sft_ppl", self.sft_arms, self.sft_baseline),
-                                 ("rl_method", self.rl_arms, self.rl_baseline)):
-            arm = getattr(self, name)
-            if arm is not None and arms and (arm not in arms or arm == base):
-                raise ValueError(f"{name} {arm!r} must be one of {arms} other than the "
-                                 f"baseline {base!r}")
+        check_arm("sft_baseline", self.sft_baseline, self.sft_arms)
+        check_arm("rl_baseline", self.rl_baseline, self.rl_arms)
+        check_arm("sft_method", self.sft_method, self.sft_arms, self.sft_baseline)
+        check_arm("sft_ppl", self.sft_ppl, self.sft_arms, self.sft_baseline)
+        check_arm("rl_method", self.rl_method, self.rl_arms, self.rl_baseline)
         if self.sft_ppl is not None and self.sft_ppl == self.sft_method:
             raise ValueError(f"sft_ppl and sft_method are both {self.sft_ppl!r}")
-        if set(self.sft_arms) & set(self.rl_arms):
-            raise ValueError(f"{sorted(set(self.sft_arms) & set(self.rl_arms))} are listed as "
-                             f"both SFT and RL arms")
+        disjoint_arms(self.sft_arms, self.rl_arms, "SFT and RL")
         return self
 
 

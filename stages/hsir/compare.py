@@ -42,6 +42,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from stages.core.checks import read_json_checked
+from stages.core.config import check_arm, disjoint_arms, unique_arms
 from stages.core import io, stats
 from stages.core.stats import (Claim, check_budgets, claim_by_key, claim_from_ci, claim_metrics,
                                mean_std, percentile_ci, read_claim, spearman)
@@ -95,28 +96,16 @@ class Config(BaseModel):
     @field_validator("arms", "rl_arms")
     @classmethod
     def _unique(cls, value: list[str]) -> list[str]:
-        if len(set(value)) != len(value):
-            raise ValueError(f"arms {value} list an arm twice")
-        return value
+        return unique_arms(value)
 
     @model_validator(mode="after")
     def _baselines(self) -> "Config":
-        if self.baseline not in self.arms:
-            raise ValueError(f"baseline {self.baseline!r} is not one of the arms {self.arms}")
-        if self.rl_arms and self.rl_baseline not in self.rl_arms:
-            raise ValueError(f"rl_baseline {self.rl_baseline!r} is not one of {self.rl_arms}")
-        for name in ("method", "veriexit_arm"):
-            arm = getattr(self, name)
-            if arm is not None and (arm not in self.arms or arm == self.baseline):
-                raise ValueError(f"{name} {arm!r} must be one of the arms {self.arms} other "
-                                 f"than the baseline {self.baseline!r}")
-        if self.rl_arms and self.rl_method is not None and (
-                self.rl_method not in self.rl_arms or self.rl_method == self.rl_baseline):
-            raise ValueError(f"rl_method {self.rl_method!r} must be one of {self.rl_arms} other "
-                             f"than rl_baseline {self.rl_baseline!r}")
-        if set(self.arms) & set(self.rl_arms):
-            raise ValueError(f"{sorted(set(self.arms) & set(self.rl_arms))} are listed as both "
-                             f"self-training and RL arms")
+        check_arm("baseline", self.baseline, self.arms)
+        check_arm("rl_baseline", self.rl_baseline, self.rl_arms)
+        check_arm("method", self.method, self.arms, self.baseline)
+        check_arm("veriexit_arm", self.veriexit_arm, self.arms, self.baseline)
+        check_arm("rl_method", self.rl_method, self.rl_arms, self.rl_baseline)
+        disjoint_arms(self.arms, self.rl_arms, "self-training and RL")
         return self
 
 

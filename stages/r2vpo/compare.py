@@ -42,6 +42,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from stages.core.checks import read_json_checked
+from stages.core.config import check_arm, unique_arms
 from stages.core import io, stats
 from stages.core.stats import (Claim, check_budgets, claim_by_key, claim_metrics, mean_std,
                                read_claim)
@@ -79,16 +80,12 @@ class Config(BaseModel):
     @field_validator("arms")
     @classmethod
     def _unique(cls, value: list[str]) -> list[str]:
-        if len(set(value)) != len(value):
-            raise ValueError(f"arms {value} list an arm twice")
-        return value
+        return unique_arms(value)
 
     @model_validator(mode="after")
     def _baseline_is_an_arm(self) -> "Config":
-        for name in ("baseline", "method"):
-            if getattr(self, name) not in self.arms:
-                raise ValueError(f"{name} {getattr(self, name)!r} is not one of the arms "
-                                 f"{self.arms}")
+        check_arm("baseline", self.baseline, self.arms)
+        check_arm("method", self.method, self.arms)
         if self.method == self.baseline:
             raise ValueError(f"method and baseline are both {self.method!r}")
         if self.control_method == self.control_baseline:

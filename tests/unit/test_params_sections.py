@@ -136,3 +136,25 @@ def test_shared_stage_validates_every_pipeline_before_compute(tmp_path: Path):
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 2, proc.stderr
     assert "unknown section 'selct'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_arm_list_checks_of_compare_configs():
+    from stages.core.config import check_arm, disjoint_arms, unique_arms
+
+    assert unique_arms(["a", "b"]) == ["a", "b"]
+    with pytest.raises(ValueError, match=r"arms \['a', 'b', 'a'\] list an arm twice"):
+        unique_arms(["a", "b", "a"])
+    check_arm("method", "a", ["a", "b"])                  # an arm, no baseline to differ from
+    check_arm("method", "a", ["a", "b"], baseline="b")
+    check_arm("method", None, ["a", "b"], baseline="b")   # untested
+    check_arm("rl_method", "x", [], baseline="y")         # that family is not run
+    with pytest.raises(ValueError, match="method 'c' is not one of the arms"):
+        check_arm("method", "c", ["a", "b"])
+    with pytest.raises(ValueError, match="method 'b' must be one of the arms .* other than the "
+                                         "baseline 'b'"):
+        check_arm("method", "b", ["a", "b"], baseline="b")
+    with pytest.raises(ValueError, match="method 'c' must be one of the arms"):
+        check_arm("method", "c", ["a", "b"], baseline="b")
+    disjoint_arms(["a"], ["b"], "SFT and RL")
+    with pytest.raises(ValueError, match=r"\['b'\] are listed as both SFT and RL arms"):
+        disjoint_arms(["a", "b"], ["b", "c"], "SFT and RL")
