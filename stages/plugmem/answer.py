@@ -9,6 +9,10 @@ memory: answer present and later than every stale value) and density:
     density     [reconstructed] (Acc_mem - Acc_nomem) per 1000 memory tokens (spec section 2)
     acc_per_1k  accuracy per 1000 memory tokens
 
+and, per arm over every cell, accuracy by the line of the memory block that holds the answer
+(`<arm>/line<1|2|3|4+|absent>/acc` and `/n`, `answer_line`): a small reader that copies from
+the first lines best is told apart from a memory that ranks the answer low.
+
 `paths.plugmem_answers` (parquet): seed, noise, arm, qid, kind, reply, correct, tokens, perfect.
 One MLflow run per (arm, seed) with params arm / seed and the same metric set, step = noise.
 """
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 import numpy as np
@@ -35,6 +40,21 @@ SCHEMA = {"seed": pl.Int64, "noise": pl.Int64, "arm": pl.String, "qid": pl.Strin
           "perfect": pl.Int64}
 METRICS = ("acc", "acc_single", "acc_update", "acc_hop", "tokens", "perfect", "density",
            "acc_per_1k")
+
+
+LINE_BUCKETS = ("1", "2", "3", "4+", "absent")
+
+
+def answer_line(memory: list[str], answer: str) -> int:
+    """1-based line of the memory block that last mentions the answer as a word (the line a
+    reader should copy from: later fact wins), 0 when no line does."""
+    word = re.compile(rf"\b{re.escape(answer)}\b")
+    hits = [i for i, line in enumerate(memory, 1) if word.search(line)]
+    return hits[-1] if hits else 0
+
+
+def line_bucket(line: int) -> str:
+    return "absent" if line == 0 else (str(line) if line <= 3 else "4+")
 
 
 class Config(BaseModel):
@@ -114,6 +134,15 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
                 for n in levels:
                     r.log_metrics({k: out[f"{arm}/n{n}/s{seed}/{k}"] for k in METRICS
                                    if not math.isnan(out[f"{arm}/n{n}/s{seed}/{k}"])}, step=n)
+    buckets = pl.Series([line_bucket(answer_line(m, a)) for m, a in zip(mems, ctxs["answer"])])
+    by_line = answers.select("arm", "correct").with_columns(bucket=buckets)
+    for arm in arms:
+        part = by_line.filter(pl.col("arm") == arm)
+        for b in LINE_BUCKETS:
+            hit = part.filter(pl.col("bucket") == b)["correct"]
+            out[f"{arm}/line{b}/n"] = float(hit.len())
+            if hit.len():
+                out[f"{arm}/line{b}/acc"] = float(hit.mean())
     out["questions"] = float(answers.filter(pl.col("arm") == arms[0]).height)
     return out
 

@@ -69,6 +69,7 @@ def headline(metrics: dict[str, float]) -> dict[str, float]:
     return stats.verdict_counts(metrics)
 
 
+LINE_BUCKETS = ("1", "2", "3", "4+", "absent")   # stages.plugmem.answer.line_bucket's names
 ARMS_SHOWN = ("none", "raw", "bm25", "plugmem", "plugmem_no_reasoning", "plugmem_no_tags",
               "oracle")
 LABELS = {"oracle": "oracle parser [upper bound]"}
@@ -113,6 +114,18 @@ def results_table(metrics: dict[str, dict[str, Any]]) -> str:
         lines.append(f"| {LABELS.get(x, x)} | " + " | ".join(
             f"{f(f'{x}/n{n}/acc')} / {f(f'{x}/n{n}/tokens', fmt='{:.0f}')}" for n in levels)
             + " |")
+    shown = [x for x in arms if x != "none" and f"{x}/line1/n" in a]
+    if shown:
+        lines += ["", "**Where the answer sits** (learned reader accuracy by the line of the "
+                  "memory block that last mentions the answer, over every cell; share of the "
+                  "arm's questions in brackets):", "",
+                  "| arm | " + " | ".join(f"line {b}" for b in LINE_BUCKETS) + " |",
+                  "|---|" + "---|" * len(LINE_BUCKETS)]
+        for x in shown:
+            total = sum(a.get(f"{x}/line{b}/n", 0.0) for b in LINE_BUCKETS) or 1.0
+            lines.append(f"| {LABELS.get(x, x)} | " + " | ".join(
+                f"{f(f'{x}/line{b}/acc')} ({a.get(f'{x}/line{b}/n', 0.0) / total:.2f})"
+                for b in LINE_BUCKETS) + " |")
     lines += ["", f"**Structurer** (eval, against the oracle parser): parse rate "
               f"{f('eval/parse_rate', s)}, exact facts {f('eval/fact_exact', s)}, value kept "
               f"{f('eval/value_kept', s)}, NONE right {f('eval/none_right', s)}. "

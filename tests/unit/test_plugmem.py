@@ -171,3 +171,17 @@ def test_compare_cells_and_claims():
     out = compare.run(compare.Config(), Ctx())
     assert out["cells"] == 6 and out["claim/acc_vs_raw/verdict"] == 1.0
     assert out["claim/acc_vs_raw/diff"] == pytest.approx(0.085)
+
+
+def test_answer_line_by_hand():
+    from stages.plugmem.answer import answer_line, line_bucket
+
+    block = ["The user lives in Riga.", "The user's pet is a cat.", "The user drinks cocoa.",
+             "The user's hobby is chess.", "The user's pet is a catfish now."]
+    assert answer_line(block, "cat") == 2                # a word: not the `cat` in `catfish`
+    assert answer_line(block, "Riga") == 1
+    assert answer_line(block, "chess") == 4
+    assert answer_line(block, "fencing") == 0
+    assert answer_line(block + ["The user's pet is a cat again."], "cat") == 6   # the last one
+    assert answer_line([], "cat") == 0
+    assert [line_bucket(i) for i in (0, 1, 2, 3, 4, 9)] == ["absent", "1", "2", "3", "4+", "4+"]
