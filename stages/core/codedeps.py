@@ -13,8 +13,9 @@ imports, relative imports, `from pkg import module`; `if TYPE_CHECKING:` blocks 
   and order of the rest untouched). `paperline deps --write` calls it; `paperline deps` checks.
 
 The contract's plumbing is left out (CONTRACT below): parsing params, the MLflow child run,
-atomic renames, data checks and storage decide whether and where a stage runs, never what it
-computes; listing them would rerun every stage of every pipeline on a logging change. Anything
+atomic renames, data checks, storage and the worker pool (`pool.py`: which process runs a job,
+never what the job returns) decide whether and where a stage runs, never what it computes;
+listing them would rerun every stage of every pipeline on a logging change. Anything
 that computes a result (including `stages/core/stats.py`, the claim rule of every compare) is
 a dependency like any other module.
 """
@@ -38,6 +39,7 @@ CONTRACT = frozenset({
     "stages/core/context.py",
     "stages/core/forkserver.py",
     "stages/core/io.py",
+    "stages/core/pool.py",
     "stages/core/runner.py",
     "stages/core/storage.py",
     "stages/core/tracking.py",

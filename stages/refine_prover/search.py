@@ -51,7 +51,10 @@ class Config(BaseModel):
     problems: str = Field("refine_prover_problems", description="paths key of the problems")
     models: str = Field("refine_prover_models", description="paths key of the trained models")
     out: str = Field("refine_prover_search", description="paths key of the search output")
-    num_threads: int = Field(0, ge=0, description="torch threads (0: all cores)")
+    num_threads: int = Field(0, ge=0, description="torch threads per process (0: all cores)")
+    workers: int = Field(1, ge=1, le=64, description="(seed, arm) jobs run side by side in "
+                                                     "spawned processes (stages.core.pool); "
+                                                     "the results do not depend on it")
 
     @field_validator("budgets")
     @classmethod
@@ -93,38 +96,56 @@ def load_value(path: Any) -> np.ndarray:
     return w
 
 
-def run_arms(cfg: Config, problems: dict[str, str], gens: dict[str, prover.Generator],
-             w: np.ndarray, seed: int, k0: float) -> dict[str, dict[str, prover.GenLog]]:
+RATES = "rates"   # the job that measures the base prover's per-problem rates (i.i.d. check)
+
+
+def run_arm(cfg: Config, problems: dict[str, str], gens: dict[str, prover.Generator],
+            w: np.ndarray, seed: int, k0: float, arm: str) -> dict[str, prover.GenLog]:
+    """One arm on every problem at the largest budget (every generation call seeds itself, so
+    an arm's logs depend on its inputs only, not on what ran before it)."""
     top = max(cfg.budgets)
-    logs: dict[str, dict[str, prover.GenLog]] = {}
-    for arm in cfg.arms:
-        if arm == "iid":
-            logs[arm] = prover.run_iid(problems, gens["base"], top, seed)
-        elif arm == "long_history":
-            logs[arm] = prover.run_history(problems, gens["base"], gens["refiner"], top, seed,
-                                           cfg.history)
-        else:
-            refiner = {"random_tree": "refiner", "value_tree": "refiner",
-                       "base_refiner": "base", "cold_refiner": "refiner_cold"}[arm]
-            model = prover.RefineModel(gens["base"], gens[refiner], seed=seed,
-                                       value_weights=w if arm == "value_tree" else None,
-                                       prior_strength=k0)
-            logs[arm] = prover.run_tree(problems, model, top,
-                                        "value" if arm == "value_tree" else "random")
-    return logs
+    if arm == "iid":
+        return prover.run_iid(problems, gens["base"], top, seed)
+    if arm == "long_history":
+        return prover.run_history(problems, gens["base"], gens["refiner"], top, seed,
+                                  cfg.history)
+    refiner = {"random_tree": "refiner", "value_tree": "refiner",
+               "base_refiner": "base", "cold_refiner": "refiner_cold"}[arm]
+    model = prover.RefineModel(gens["base"], gens[refiner], seed=seed,
+                               value_weights=w if arm == "value_tree" else None,
+                               prior_strength=k0)
+    return prover.run_tree(problems, model, top, "value" if arm == "value_tree" else "random")
+
+
+def _arm_job(job: tuple[Config, dict[str, str], Any, int, str]) -> Any:
+    """One (seed, arm) of the search, or the seed's rate samples (`RATES`), from the seed's
+    saved models alone: any process, any order (stages.core.pool)."""
+    from stages.core.checks import read_json_checked
+    from stages.models.base import set_threads
+    from stages.models.generate import load_model
+
+    cfg, problems, folder, seed, arm = job
+    set_threads(cfg.num_threads)
+    gens = {}
+    for name in ("base", "refiner", "refiner_cold"):
+        model, tok = load_model(folder / name)
+        gens[name] = prover.Generator(model, tok, cfg.max_new_tokens, cfg.temperature,
+                                      cfg.batch_size)
+    if arm == RATES:
+        return prover.sample_rates(problems, gens["base"], cfg.rate_samples, seed + 10_000)
+    w = load_value(folder / "value.json")
+    k0 = float(read_json_checked(folder / "value.json")["prior_strength"])
+    return run_arm(cfg, problems, gens, w, seed, k0, arm)
 
 
 def run(cfg: Config, ctx: Any) -> dict[str, float]:
     import polars as pl
 
-    from stages.core.checks import read_json_checked
-    from stages.models.base import set_threads
-    from stages.models.generate import load_model
+    from stages.core.pool import map_jobs
     from stages.refine_prover.train import load_problems
     from stages.search.budget import run_budget_grid
     from stages.search.ledger import Ledger
 
-    set_threads(cfg.num_threads)
     df = load_problems(ctx, cfg.problems)
     test = df.filter(df["split"] == "test")
     problems = dict(zip(test["id"].to_list(), test["statement"].to_list()))
@@ -132,19 +153,14 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     seeds = sorted(int(p.name[4:]) for p in models.glob("seed*"))
     if not seeds:
         raise FileNotFoundError(f"{models}: no seed<k>/ folders; run stage train first")
+    jobs = [(cfg, problems, models / f"seed{seed}", seed, arm)
+            for seed in seeds for arm in (*cfg.arms, RATES)]
+    done = dict(zip([(job[3], job[4]) for job in jobs], map_jobs(_arm_job, jobs, cfg.workers)))
     rows: list[dict[str, Any]] = []
     metrics: dict[str, float] = {}
     wrong: list[tuple[str, str]] = []
     for seed in seeds:
-        folder = models / f"seed{seed}"
-        gens = {}
-        for name in ("base", "refiner", "refiner_cold"):
-            model, tok = load_model(folder / name)
-            gens[name] = prover.Generator(model, tok, cfg.max_new_tokens, cfg.temperature,
-                                          cfg.batch_size)
-        w = load_value(folder / "value.json")
-        k0 = float(read_json_checked(folder / "value.json")["prior_strength"])
-        logs = run_arms(cfg, problems, gens, w, seed, k0)
+        logs = {arm: done[seed, arm] for arm in cfg.arms}
         ledger = Ledger()
         for arm, arm_logs in logs.items():
             def replay(budget: Any, meters: Any, arm_logs: Any = arm_logs) -> dict[str, float]:
@@ -158,8 +174,7 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
                                      ledger):
                 rows.append({"seed": seed, **r})
         # The i.i.d. check: pass@B against 1 - (1 - p)^B from separately measured rates.
-        rates, wrong_s = prover.sample_rates(problems, gens["base"], cfg.rate_samples,
-                                             seed + 10_000)
+        rates, wrong_s = done[seed, RATES]
         wrong += wrong_s
         metrics[f"seed{seed}/base_rate"] = float(np.mean(list(rates.values())))
         if "iid" in logs:

@@ -73,7 +73,10 @@ class Config(BaseModel):
     prior_strength: float = Field(2.0, gt=0, description="k0 of the value re-ranking")
     problems: str = Field("refine_prover_problems", description="paths key of the problems")
     out: str = Field("refine_prover_models", description="paths key of the models folder")
-    num_threads: int = Field(0, ge=0, description="torch threads (0: all cores)")
+    num_threads: int = Field(0, ge=0, description="torch threads per process (0: all cores)")
+    workers: int = Field(1, ge=1, le=64, description="seeds trained side by side in spawned "
+                                                     "processes (stages.core.pool); the models "
+                                                     "do not depend on it, the wall time does")
 
 
 def load_problems(ctx: Any, key: str) -> Any:
@@ -125,26 +128,34 @@ def refine_rows(failed: list[tuple[str, str]], rng: random.Random, history_share
     return rows
 
 
-def run(cfg: Config, ctx: Any) -> dict[str, float]:
+def _seed_job(job: tuple[Config, Any, Any, int, Any]) -> dict[str, float]:
+    """One seed, from its own seed alone (so in any process, in any order)."""
     import torch
     from transformers import set_seed
 
     from stages.models.base import set_threads
 
+    cfg, train, value_split, seed, folder = job
     set_threads(cfg.num_threads)
+    set_seed(seed)
+    return train_seed(cfg, train, value_split, seed, random.Random(seed), folder, torch)
+
+
+def run(cfg: Config, ctx: Any) -> dict[str, float]:
+    from stages.core.pool import map_jobs
+
     df = load_problems(ctx, cfg.problems)
     train = df.filter(df["split"] == "train")
     value_split = df.filter(df["split"] == "value")
     out = ctx.path(cfg.out)
     metrics: dict[str, float] = {}
     with io.atomic_path(out, is_dir=True) as tmp:
-        for seed in cfg.seeds:
-            set_seed(seed)
-            rng = random.Random(seed)
-            m = train_seed(cfg, train, value_split, seed, rng, tmp / f"seed{seed}", torch)
-            metrics.update({f"seed{seed}/{k}": v for k, v in m.items()})
-            with ctx.method_run("train", "refiner", seed, {"seed": seed}) as run_:
-                run_.log_metrics(m)
+        done = map_jobs(_seed_job, [(cfg, train, value_split, seed, tmp / f"seed{seed}")
+                                    for seed in cfg.seeds], cfg.workers)
+    for seed, m in zip(cfg.seeds, done):
+        metrics.update({f"seed{seed}/{k}": v for k, v in m.items()})
+        with ctx.method_run("train", "refiner", seed, {"seed": seed}) as run_:
+            run_.log_metrics(m)
     for key in sorted({k.split("/", 1)[1] for k in metrics}):
         vals = [metrics[f"seed{s}/{key}"] for s in cfg.seeds if f"seed{s}/{key}" in metrics]
         metrics[f"mean/{key}"] = float(np.mean(vals))
