@@ -1,0 +1,79 @@
+"""How many updates does the Early Experience IL policy need? Chosen on validation goals.
+
+    .venv/bin/python benchmarks/early_experience_budget.py --steps 300 1000 --seeds 0
+
+A diagnostic behind the `cpu` profile's update budget (`pipelines/early_experience/params.yaml`,
+`train.steps`), chosen WITHOUT the test or OOD goals: the IL policy (the pipeline's `train_one`
+with the active profile's `train` section, every demonstration) is trained for each step count
+and seed, then played (the `evaluate` stage's budget, prompt and local backend) on
+**validation goals**: in-domain goals drawn with a generator seed of their own, none of them a
+train or test goal. Prints the success rate, the parse-failure rate and the training seconds.
+Needs the pipeline's `shop` stage output (`paperline repro early_experience` first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+VAL_SEED = 4            # make_goals seeds: 1 train, 2 test, 3 OOD (stages/early_experience/build.py)
+
+
+def main() -> None:
+    from stages.agents.imitation import il_examples
+    from stages.agents.rollout import Budget, ModelAgent, run_episodes
+    from stages.agents.trajectories import read_rollouts, summarise, to_frames
+    from stages.core.config import validate_section
+    from stages.core.runner import load_params
+    from stages.early_experience import shop
+    from stages.early_experience.evaluate import Config as EvalConfig
+    from stages.early_experience.train import Config as TrainConfig, train_one
+    from stages.models.backend import make_backend
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, nargs="+", default=[300, 1000])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0])
+    ap.add_argument("--n-val", type=int, default=100)
+    args = ap.parse_args()
+    root_params, params, source = load_params(ROOT, "early_experience")
+    profile = root_params.get("profile", "cpu")
+    tcfg = validate_section(TrainConfig, params, "train", profile, source)
+    ecfg = validate_section(EvalConfig, params, "evaluate", profile, source)
+    data = ROOT / "pipelines/early_experience/data/shop"
+    catalogue, goals = shop.read_shop(data)
+    taken = set(goals["train"]) | set(goals["test"])
+    pool = shop.make_goals(catalogue, shop.IN_DOMAIN, 4 * args.n_val, VAL_SEED, ecfg.max_results)
+    val = [g for g in pool if g not in taken][:args.n_val]
+    episodes, steps = read_rollouts(data / "expert")
+    il = il_examples(episodes, steps)
+    budget = Budget(max_steps=ecfg.max_steps, max_new_tokens=ecfg.max_new_tokens,
+                    max_failures=ecfg.max_failures)
+    print(f"profile {profile}: IL on {len(il[0])} expert turns, {len(val)} validation goals "
+          f"(make_goals seed {VAL_SEED}, none a train or test goal)")
+    print("| updates | seed | train loss | val success | parse failures / turn | train s |")
+    print("|---|---|---|---|---|---|")
+    for n in args.steps:
+        for seed in args.seeds:
+            with tempfile.TemporaryDirectory() as tmp:
+                cfg = tcfg.model_copy(update={"steps": n})
+                m = train_one({"cfg": cfg.model_dump(), "arm": "il", "seed": seed,
+                               "data": {"il": il}, "out": str(Path(tmp) / "il"),
+                               "threads": 1})
+                agent = ModelAgent(make_backend(ecfg.policy.model_copy(
+                    update={"model": str(Path(tmp) / "il")}), root=ROOT), name="il")
+                envs = shop.envs_for(catalogue, val, "val", ecfg.max_results)
+                eps = run_episodes(envs, agent, budget, ecfg.prompt,
+                                   episode_ids=[f"val/{i}" for i in range(len(envs))],
+                                   batch_size=ecfg.batch_size, seed=seed)
+            s = summarise(to_frames(eps, "il")[0])
+            print(f"| {n} | {seed} | {m['train_loss']:.3f} | {s['success_rate']:.3f} | "
+                  f"{s['parse_failure_rate']:.3f} | {m['train_seconds']:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
