@@ -39,6 +39,7 @@ from stages.agents.react import PromptFormat
 from stages.agents.trajectories import read_rollouts
 from stages.core import io
 from stages.core.checks import read_parquet_checked
+from stages.core.pool import map_jobs
 from stages.early_experience.experience import dpo_pairs, iwm_examples, sr_examples
 from stages.early_experience.explore import experience_spec
 
@@ -225,9 +226,6 @@ def train_one(job: dict[str, Any]) -> dict[str, float]:
 
 
 def run(cfg: Config, ctx: Any) -> dict[str, float]:
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
     fmt = cfg.prompt
     episodes, steps = read_rollouts(ctx.path("ee_shop") / "expert")
     exp = read_parquet_checked(ctx.path("ee_experience"), experience_spec())
@@ -276,13 +274,8 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
                                           "data": data, "out": str(tmp / name / f"s{seed}"),
                                           "threads": cfg.num_threads if cfg.workers == 1
                                           else 1}))
-        if cfg.workers == 1:
-            results = [train_one(job) for _, _, job in jobs]
-        else:
-            # one model per process: at this size two 1-thread processes beat one 2-thread one
-            with ProcessPoolExecutor(min(cfg.workers, len(jobs)),
-                                     mp_context=multiprocessing.get_context("spawn")) as pool:
-                results = list(pool.map(train_one, [job for _, _, job in jobs]))
+        # one model per process: at this size two 1-thread processes beat one 2-thread one
+        results = map_jobs(train_one, [job for _, _, job in jobs], cfg.workers)
     for (name, seed, _), m in zip(jobs, results, strict=True):
         for key, v in m.items():
             if io.is_timing_key(key):
