@@ -506,7 +506,6 @@ def start_worker(root: Path, name: str, pool: str = CPU_POOL, repo_url: str | No
     """
     import psutil
 
-    from flows.deploy import ensure_work_pool
     from stages.core import storage
 
     root = Path(root).resolve()

@@ -171,6 +171,32 @@ def smoke_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return repo
 
 
+@pytest.fixture(scope="session")
+def vision_repo(smoke_repo: Path) -> Path:
+    """`smoke_repo` with the shared vision substrate built once per session (worker):
+    `paperline repro vlm`. The pipelines on the tiny VLM (gift, core, same, bridgevlm) reproduce
+    their own stages on top, as the other pipelines do on `smoke_repo`, instead of each copying
+    the project and training the substrate again (tests/pipelines/test_vlm_pipeline.py keeps a
+    fresh copy of its own: it shows the substrate needs no other pipeline)."""
+    import time
+
+    started = time.perf_counter()
+    proc = paperline(smoke_repo, "repro", "vlm", timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    print(f"paperline repro vlm at smoke (shared): {time.perf_counter() - started:.1f} s")
+    return smoke_repo
+
+
+def method_runs(client, pipeline: str, methods_only: bool = True) -> list:
+    """Every MLflow run of `pipeline` (only its method runs, unless `methods_only` is False) in
+    a store that other pipelines share: filtered by the run tag in the query, not by scanning
+    the first N runs of every experiment."""
+    ids = [e.experiment_id for e in client.search_experiments()]
+    return [r for r in client.search_runs(
+        ids, filter_string=f"tags.`paperline.pipeline` = '{pipeline}'", max_results=50_000)
+        if r.data.tags.get("paperline.method") or not methods_only]
+
+
 @pytest.fixture
 def smoke_copy(smoke_repo: Path, tmp_path: Path) -> Path:
     """A copy of the reproduced smoke repo (cache, MLflow store and all) a test may change: a

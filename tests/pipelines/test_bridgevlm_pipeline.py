@@ -13,7 +13,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from tests.conftest import assert_bad_param_rejected, copy_repo, dvc, paperline
+from tests.conftest import assert_bad_param_rejected, dvc, method_runs, paperline
 from tests.pipelines.test_base_pipeline import mlflow_client
 
 pytestmark = pytest.mark.slow
@@ -25,8 +25,8 @@ CAUSAL = ("bridgevlm", "bridgevlm_concat", "no_dag", "no_node", "no_graph")
 
 
 @pytest.fixture(scope="module")
-def bvlm_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    repo = copy_repo(tmp_path_factory.mktemp("bridgevlm") / "repo")
+def bvlm_repo(vision_repo: Path) -> Path:
+    repo = vision_repo
     started = time.perf_counter()
     proc = paperline(repo, "repro", "bridgevlm", timeout=900)
     print(f"paperline repro bridgevlm at smoke: {time.perf_counter() - started:.1f} s")
@@ -93,10 +93,8 @@ def test_mlflow_versions_bad_param_and_noop(bvlm_repo: Path):
         version = client.get_model_version_by_alias("bridgevlm-vlm", arm)
         assert version.tags["bridgevlm.arm"] == arm
         assert client.get_model_version_by_alias("bridgevlm-vlm", f"{arm}-seed-1").version
-    runs = [r for r in client.search_runs([e.experiment_id for e in client.search_experiments()],
-                                          max_results=500)
-            if r.data.tags.get("paperline.pipeline") == "bridgevlm"
-            and r.data.params.get("arm") == "bridgevlm"]
+    runs = [r for r in method_runs(client, "bridgevlm", methods_only=False)
+            if r.data.params.get("arm") == "bridgevlm"]
     assert len(runs) == 2 and all("intervention_acc" in r.data.metrics for r in runs)
     assert_bad_param_rejected(bvlm_repo / P, "bridgevlm", "train", "train.losses.edge", -1.0,
                               "edge", bvlm_repo / P / "metrics/train.json")

@@ -12,7 +12,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from tests.conftest import assert_bad_param_rejected, copy_repo, dvc, paperline
+from tests.conftest import assert_bad_param_rejected, dvc, method_runs, paperline
 from tests.pipelines.test_base_pipeline import mlflow_client
 
 pytestmark = pytest.mark.slow
@@ -23,10 +23,8 @@ RL_ARMS = ("visual_grpo", "core_grpo")
 
 
 @pytest.fixture(scope="module")
-def core_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    repo = copy_repo(tmp_path_factory.mktemp("core") / "repo")
-    proc = paperline(repo, "repro", "vlm", timeout=900)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+def core_repo(vision_repo: Path) -> Path:
+    repo = vision_repo
     started = time.perf_counter()
     proc = paperline(repo, "repro", "core", timeout=900)
     print(f"paperline repro core at smoke: {time.perf_counter() - started:.1f} s")
@@ -114,10 +112,7 @@ def test_compare_claims_figure_readme_and_registry(core_repo: Path):
         version = client.get_model_version_by_alias("core-policy", alias)
         assert version.tags["paperline.method"] == arm and version.tags["paperline.seed"] == "0"
         assert client.get_model_version_by_alias("core-policy", f"{alias}-seed1").version
-    runs = [r for r in client.search_runs([e.experiment_id for e in client.search_experiments()],
-                                          max_results=500)
-            if r.data.tags.get("paperline.pipeline") == "core"
-            and r.data.tags.get("paperline.method")]
+    runs = method_runs(client, "core")
     assert {(r.data.params.get("arm"), r.data.params.get("seed")) for r in runs} >= \
         {(a, s) for a in ("base", *ARMS, *RL_ARMS) for s in ("0", "1")}
     assert all("acc_image" in r.data.metrics for r in runs)

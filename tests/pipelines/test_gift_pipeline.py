@@ -11,7 +11,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from tests.conftest import copy_repo, dvc, paperline
+from tests.conftest import dvc, method_runs, paperline
 from tests.pipelines.test_base_pipeline import mlflow_client
 
 pytestmark = pytest.mark.slow
@@ -20,10 +20,8 @@ P = Path("pipelines/gift")
 
 
 @pytest.fixture(scope="module")
-def gift_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    repo = copy_repo(tmp_path_factory.mktemp("gift") / "repo")
-    proc = paperline(repo, "repro", "vlm", timeout=900)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+def gift_repo(vision_repo: Path) -> Path:
+    repo = vision_repo
     started = time.perf_counter()
     proc = paperline(repo, "repro", "gift", timeout=900)
     print(f"paperline repro gift at smoke: {time.perf_counter() - started:.1f} s")
@@ -66,10 +64,7 @@ def test_compare_claims_readme_and_mlflow(gift_repo: Path):
     block = (gift_repo / P / "README.md").read_text().split("<!-- results:start")[1]
     assert "GIFT lowers CHAIR_S relative to greedy" in block.split("<!-- results:end")[0]
     client = mlflow_client(gift_repo)
-    runs = [r for r in client.search_runs([e.experiment_id for e in client.search_experiments()],
-                                          max_results=500)
-            if r.data.tags.get("paperline.pipeline") == "gift"
-            and r.data.tags.get("paperline.method")]
+    runs = method_runs(client, "gift")
     arms = {(r.data.params.get("arm"), r.data.params.get("seed")) for r in runs}
     assert {(a, s) for a in ("greedy", "gift") for s in ("0", "1")} <= arms
     assert all("chair_sentence" in r.data.metrics for r in runs

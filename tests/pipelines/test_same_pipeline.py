@@ -12,7 +12,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from tests.conftest import assert_bad_param_rejected, copy_repo, dvc, paperline
+from tests.conftest import assert_bad_param_rejected, dvc, method_runs, paperline
 from tests.pipelines.test_base_pipeline import mlflow_client
 
 pytestmark = pytest.mark.slow
@@ -22,10 +22,8 @@ ARMS = {"lora", "moe_lora", "spectral", "curvature", "same"}
 
 
 @pytest.fixture(scope="module")
-def same_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    repo = copy_repo(tmp_path_factory.mktemp("same") / "repo")
-    proc = paperline(repo, "repro", "vlm", timeout=900)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+def same_repo(vision_repo: Path) -> Path:
+    repo = vision_repo
     started = time.perf_counter()
     proc = paperline(repo, "repro", "same", timeout=900)
     print(f"paperline repro same at smoke: {time.perf_counter() - started:.1f} s")
@@ -82,10 +80,7 @@ def test_compare_gate_claims_readme_and_registry(same_repo: Path):
     client = mlflow_client(same_repo)
     aliases = set(client.get_registered_model("same-adapter").aliases)
     assert aliases == {"lora", "moe-lora", "spectral", "curvature", "same", "champion"}
-    runs = [r for r in client.search_runs([e.experiment_id for e in client.search_experiments()],
-                                          max_results=500)
-            if r.data.tags.get("paperline.pipeline") == "same"
-            and r.data.tags.get("paperline.method")]
+    runs = method_runs(client, "same")
     assert {(r.data.params.get("arm"), r.data.params.get("order")) for r in runs} >= \
         {(a, "0") for a in ARMS}
 
