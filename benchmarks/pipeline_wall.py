@@ -68,9 +68,12 @@ def last_full_execution(client, pipeline: str, declared: list[str], cheap_min: f
         stages = [s for s in stages if "paperline.stage" in s.data.tags]
         skipped: dict[str, float] = {}
         for name in set(declared) - {s.data.tags["paperline.stage"] for s in stages}:
-            last = client.search_runs(
+            # the stage's own run: its method runs (one per arm or seed, seconds long) carry
+            # the same `paperline.stage` tag, and the latest of them is not the stage's time
+            last = [r for r in client.search_runs(
                 [exp.experiment_id], f"tags.`paperline.stage` = '{name}' and status = 'FINISHED'",
-                order_by=["attributes.start_time DESC"], max_results=1)
+                order_by=["attributes.start_time DESC"], max_results=500)
+                if "paperline.method" not in r.data.tags][:1]
             skipped[name] = stage_minutes(last[0]) if last else math.inf
         if all(m < cheap_min for m in skipped.values()):
             return parent, stages, skipped

@@ -138,6 +138,15 @@ def _arm_job(job: tuple[Config, dict[str, str], Any, int, str]) -> Any:
     return run_arm(cfg, problems, gens, w, seed, k0, arm)
 
 
+def _timed_job(job: tuple[Config, dict[str, str], Any, int, str]) -> tuple[float, Any]:
+    """(wall seconds, `_arm_job(job)`): the per-job times go to MLflow, never to a tracked file."""
+    import time
+
+    started = time.perf_counter()
+    out = _arm_job(job)
+    return time.perf_counter() - started, out
+
+
 def run(cfg: Config, ctx: Any) -> dict[str, float]:
     import polars as pl
 
@@ -155,7 +164,9 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
         raise FileNotFoundError(f"{models}: no seed<k>/ folders; run stage train first")
     jobs = [(cfg, problems, models / f"seed{seed}", seed, arm)
             for seed in seeds for arm in (*cfg.arms, RATES)]
-    done = dict(zip([(job[3], job[4]) for job in jobs], map_jobs(_arm_job, jobs, cfg.workers)))
+    timed = map_jobs(_timed_job, jobs, cfg.workers)
+    ctx.log_metrics({f"job_seconds/seed{job[3]}/{job[4]}": t for job, (t, _) in zip(jobs, timed)})
+    done = {(job[3], job[4]): out for job, (_, out) in zip(jobs, timed)}
     rows: list[dict[str, Any]] = []
     metrics: dict[str, float] = {}
     wrong: list[tuple[str, str]] = []
