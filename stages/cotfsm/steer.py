@@ -30,7 +30,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from stages.cotfsm import fsm
-from stages.cotfsm.traces import EOS, SENTENCE_END, THINK, parse_states
+from stages.cotfsm.traces import SENTENCE_END, parse_states
 from stages.core import io
 
 ARMS = ("default", "greedy", "weighted", "qvalue")
