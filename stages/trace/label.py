@@ -18,7 +18,6 @@ Output: `<out>/tagger.pkl` + `labels.json`, registered in MLflow as `trace-tagge
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
