@@ -37,10 +37,7 @@ run: install
 # Unit and pipeline tests on two pytest workers, each test file whole on one worker (its module
 # fixtures, e.g. a pipeline's smoke repro, built once; each worker builds the session's smoke repo
 # once). Not `--dist loadgroup`: with pytest 9 xdist 3.8 cannot tag node ids, and the groups are
-# silently ignored. `--no-loadscope-reorder`: files in collection order (the pipeline files,
-# few tests behind 30-100 s fixtures, first; the many small unit files last, so the two workers
-# end together) instead of xdist's default, most tests first, which left the heavy pipeline
-# files for the end. TEST_WORKERS=0: one process.
+# silently ignored. TEST_WORKERS=0: one process.
 # The server tests (Prefect, MLflow, S3, Postgres, workers) run in one process of their own, in
 # file order (they share module state and servers), at the same time as the others: they mostly
 # wait on servers (328 CPU-s in 434 s of wall, measured), so side by side they save most of their
@@ -48,7 +45,7 @@ run: install
 # servers' log is printed after the first part's. TEST_SERIAL=1: one part after the other.
 TEST_WORKERS ?= 2
 TEST_SERIAL ?=
-PART1 = $(BIN)/python -m pytest -ra $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) tests/pipelines tests/unit $(PYTEST_ARGS)
+PART1 = $(BIN)/python -m pytest -ra $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) tests/pipelines tests/unit $(PYTEST_ARGS)
 PART2 = PAPERLINE_TEST_STATE=servers PREFECT_HOME=$(CURDIR)/.paperline/test-state/servers/prefect $(BIN)/python -m pytest -ra -p no:cacheprovider tests/prefect tests/stack $(PYTEST_ARGS)
 test: install
 	@mkdir -p .paperline/pytest
