@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from typing import Any
 
 import numpy as np
@@ -32,7 +31,7 @@ from stages.core import io
 from stages.core.checks import read_parquet_checked
 from stages.models.backend import BackendConfig, make_backend
 from stages.plugmem import text
-from stages.plugmem.graph import density
+from stages.plugmem.graph import LINE_BUCKETS, answer_line, density, line_bucket
 from stages.plugmem.memory import context_spec
 
 SCHEMA = {"seed": pl.Int64, "noise": pl.Int64, "arm": pl.String, "qid": pl.String,
@@ -40,21 +39,6 @@ SCHEMA = {"seed": pl.Int64, "noise": pl.Int64, "arm": pl.String, "qid": pl.Strin
           "perfect": pl.Int64}
 METRICS = ("acc", "acc_single", "acc_update", "acc_hop", "tokens", "perfect", "density",
            "acc_per_1k")
-
-
-LINE_BUCKETS = ("1", "2", "3", "4+", "absent")
-
-
-def answer_line(memory: list[str], answer: str) -> int:
-    """1-based line of the memory block that last mentions the answer as a word (the line a
-    reader should copy from: later fact wins), 0 when no line does."""
-    word = re.compile(rf"\b{re.escape(answer)}\b")
-    hits = [i for i, line in enumerate(memory, 1) if word.search(line)]
-    return hits[-1] if hits else 0
-
-
-def line_bucket(line: int) -> str:
-    return "absent" if line == 0 else (str(line) if line <= 3 else "4+")
 
 
 class Config(BaseModel):

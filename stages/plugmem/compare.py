@@ -20,6 +20,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from stages.core import stats
+from stages.plugmem.graph import LINE_BUCKETS
 
 # name: (method arm, baseline arm, metric, direction, relative, paper effect)
 CLAIMS = {
@@ -69,7 +70,6 @@ def headline(metrics: dict[str, float]) -> dict[str, float]:
     return stats.verdict_counts(metrics)
 
 
-LINE_BUCKETS = ("1", "2", "3", "4+", "absent")   # stages.plugmem.answer.line_bucket's names
 ARMS_SHOWN = ("none", "raw", "bm25", "plugmem", "plugmem_no_reasoning", "plugmem_no_tags",
               "oracle")
 LABELS = {"oracle": "oracle parser [upper bound]"}

@@ -206,14 +206,36 @@ def reason(graph: Graph, ranked: list[int], keep: int) -> list[str]:
     return [graph.statements[f] for f in kept]
 
 
+def mention(value: str) -> re.Pattern[str]:
+    """`value` as a whole word: not inside a longer word (`cat` is not in `catfish`). Written
+    with lookarounds, not `\\b`, so that a value that starts or ends with a non-word character
+    (`C++`, `3.5`) still matches where it stands alone."""
+    return re.compile(rf"(?<!\w){re.escape(value)}(?!\w)")
+
+
 def perfect_reader(memory: str, answer: str, stale: list[str]) -> bool:
     """The upper-bound reader: right iff the answer is in the memory and, where the asked
     value changed, it is mentioned after every earlier value (later fact wins)."""
     def last(v: str) -> int:
-        m = [x.start() for x in re.finditer(rf"\b{re.escape(v)}\b", memory)]
+        m = [x.start() for x in mention(v).finditer(memory)]
         return m[-1] if m else -1
     pos = last(answer)
     return pos >= 0 and all(last(s) < pos for s in stale if s != answer)
+
+
+LINE_BUCKETS = ("1", "2", "3", "4+", "absent")   # `line_bucket`'s names, in table order
+
+
+def answer_line(memory: list[str], answer: str) -> int:
+    """1-based line of the memory block that last mentions the answer as a word (the line a
+    reader should copy from: later fact wins), 0 when no line does."""
+    word = mention(answer)
+    hits = [i for i, line in enumerate(memory, 1) if word.search(line)]
+    return hits[-1] if hits else 0
+
+
+def line_bucket(line: int) -> str:
+    return "absent" if line == 0 else (str(line) if line <= 3 else "4+")
 
 
 def density(acc_mem: float, acc_nomem: float, tokens: float) -> float:

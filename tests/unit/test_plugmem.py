@@ -174,7 +174,7 @@ def test_compare_cells_and_claims():
 
 
 def test_answer_line_by_hand():
-    from stages.plugmem.answer import answer_line, line_bucket
+    from stages.plugmem.graph import answer_line, line_bucket, perfect_reader
 
     block = ["The user lives in Riga.", "The user's pet is a cat.", "The user drinks cocoa.",
              "The user's hobby is chess.", "The user's pet is a catfish now."]
@@ -185,3 +185,11 @@ def test_answer_line_by_hand():
     assert answer_line(block + ["The user's pet is a cat again."], "cat") == 6   # the last one
     assert answer_line([], "cat") == 0
     assert [line_bucket(i) for i in (0, 1, 2, 3, 4, 9)] == ["absent", "1", "2", "3", "4+", "4+"]
+    # values that start or end with a non-word character: `\b` would miss `C++` before a full
+    # stop and `.5` anywhere; a value inside a longer token still does not count
+    code = ["The user codes in C++.", "The user's score is 3.5 now.", "The user rates .5"]
+    assert answer_line(code, "C++") == 1
+    assert answer_line(code, "3.5") == 2 and answer_line(code, ".5") == 3
+    assert answer_line(["The user codes in C++x."], "C++") == 0
+    assert perfect_reader("in Go\nin C++.", "C++", ["Go"])
+    assert not perfect_reader("in C++\nin Go.", "C++", ["Go"])
