@@ -36,6 +36,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from stages.core import io
+from stages.core.pool import map_jobs
 from stages.same import same
 
 MATRIX_SCHEMA: dict[str, pl.DataType] = {
@@ -413,15 +414,7 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
              "model": str(folder / f"seed{ckpt[s]}"),
              "threads": cfg.num_threads if cfg.workers == 1 else 1}
             for s in cfg.seeds for o in range(len(cfg.orders))]
-    if cfg.workers == 1:
-        outs = [run_job(j) for j in jobs]
-    else:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
-
-        with ProcessPoolExecutor(min(cfg.workers, len(jobs)),
-                                 mp_context=multiprocessing.get_context("spawn")) as pool:
-            outs = list(pool.map(run_job, jobs))
+    outs = map_jobs(run_job, jobs, cfg.workers)
     matrix, runs, usage_rows = [], [], []
     metrics: dict[str, float] = {}
     adapters = ctx.path(cfg.adapters)

@@ -1,0 +1,114 @@
+"""Does CoRe's upper-bound arm (text SFT) learn to answer at the `cpu` budget, and what would it take?
+
+    .venv/bin/python benchmarks/core_learning.py --steps 400 1500 --lr 1e-3 \
+        --kinds kv,arith,table kv --arms text_sft --seed 0
+    .venv/bin/python benchmarks/core_learning.py --steps 1500 --kinds kv --fresh 24000
+
+A diagnostic behind the `cpu` profile of `pipelines/core/params.yaml` (`sft`), chosen WITHOUT
+the test split: each (arm, kinds, steps, lr) trains the sft stage's own loop (`train_arm`, one
+torch thread) from the `vlm-text` checkpoint of one seed on the train pages and is scored by
+greedy exact match (`score_arm`, the stage's verifier) on the **val** split, per kind. CoRe's
+gap-recovery claim needs text SFT well above visual SFT (the transfer failure, issue 18); an arm
+that does not learn to answer leaves nothing to recover. The score on the first train pages is
+printed too (memorisation shows as train >> val). `--fresh N` trains on N new pages instead
+(same generator and page config as the vlm `data` stage, another seed, none equal to a val or
+test page), to tell memorisation of a small train set from a missing skill. Needs the vlm pipeline's `data` and
+`train_text` outputs (`paperline repro vlm`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def fresh_pages(data: Path, kinds: list[str], n: int) -> tuple[object, list]:
+    """`n` new pages of `kinds` from the vlm data stage's page config (pipelines/vlm/params.yaml),
+    another generator seed, none equal to a val or test page's content."""
+    import io
+
+    import numpy as np
+    import polars as pl
+    import yaml
+    from PIL import Image
+
+    from stages.tasks import rendered_text
+
+    page = yaml.safe_load((ROOT / "pipelines/vlm/params.yaml").read_text())["data"]
+    cfg = rendered_text.Config(**{**page["rendered_text"], "kinds": kinds})
+    held = pl.concat([pl.read_parquet(data / "rendered_text" / f"{s}.parquet")
+                      for s in ("val", "test")])["content"]
+    df = pl.DataFrame(rendered_text.generate(cfg, n, "core-probe", split="probe",
+                                             exclude=set(held)), schema=rendered_text.SCHEMA)
+    return df, [np.array(Image.open(io.BytesIO(b)).convert("RGB")) for b in df["image"]]
+
+
+def main() -> None:
+    import torch
+
+    from stages.core_align import sft
+    from stages.models import vlm as vlm_model
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, nargs="+", default=[400, 1500])
+    ap.add_argument("--lr", type=float, nargs="+", default=[1e-3])
+    ap.add_argument("--kinds", nargs="+", default=["kv,arith,table"],
+                    help="comma-separated kinds trained and scored together, per run")
+    ap.add_argument("--arms", nargs="+", default=["text_sft"])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-eval", type=int, default=200)
+    ap.add_argument("--fresh", type=int, default=0, help="train on this many new pages")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    data = ROOT / "pipelines/vlm/data/tasks"
+    model_dir = ROOT / f"pipelines/vlm/models/text/seed{args.seed}"
+    if not (model_dir / "config.json").is_file():
+        raise SystemExit(f"{model_dir}: no vlm-text checkpoint (paperline repro vlm first)")
+    print(f"vlm-text seed {args.seed}; scored on val (at most {args.max_eval} items), greedy")
+    print(f"train pages: {'%d new pages' % args.fresh if args.fresh else 'the vlm train split'}")
+    print("| arm | kinds | steps | lr | final loss | train acc (first 200) | val acc (own input) "
+          "| val by kind | s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for kinds in args.kinds:
+        kl = kinds.split(",")
+        eval_df, eval_images = sft.load_split(data, "val", kl, 32, args.max_eval)
+        if args.fresh:
+            train_df, train_images = fresh_pages(data, kl, args.fresh)
+        else:
+            train_df, train_images = sft.load_split(data, "train", kl, 32, None)
+        for arm in args.arms:
+            for steps in args.steps:
+                for lr in args.lr:
+                    cfg = sft.Config(seeds=[args.seed], arms=[arm], kinds=kl, steps=steps, lr=lr,
+                                     split="val", log_every=max(1, steps // 10),
+                                     num_threads=1)
+                    vlm = vlm_model.load_vlm(model_dir)
+                    pixels = vlm_model.pixel_values(vlm.processor, train_images)
+                    pairs = sft.encode_pairs(vlm, train_df)
+                    t = time.perf_counter()
+                    m = sft.train_arm(cfg, arm, vlm, pairs, pixels, args.seed)
+                    rows, acc = sft.score_arm(vlm, eval_df, eval_images, arm, args.seed, cfg,
+                                              "probe")
+                    own = "text" if arm == "text_sft" else "image"
+                    _, fit = sft.score_arm(vlm, train_df.head(args.max_eval),
+                                           train_images[:args.max_eval], arm, args.seed, cfg,
+                                           "probe (train pages)")
+                    by_kind = {k: sum(r["correct"] for r in rows
+                                      if r["modality"] == own and r["kind"] == k)
+                               / max(1, sum(1 for r in rows
+                                            if r["modality"] == own and r["kind"] == k))
+                               for k in kl}
+                    loss = m.get("final_loss", float("nan"))
+                    print(f"| {arm} | {kinds} | {steps} | {lr:g} | {loss:.3f} | "
+                          f"{fit['acc_' + own]:.3f} | {acc['acc_' + own]:.3f} | "
+                          + ", ".join(f"{k} {v:.2f}" for k, v in by_kind.items())
+                          + f" | {time.perf_counter() - t:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
