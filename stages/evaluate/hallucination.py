@@ -139,8 +139,10 @@ def pope_per_item(answers: Sequence[str], labels: Sequence[bool]) -> list[Record
 
 
 def pope(records: Sequence[Record], idx: Sequence[int] | None = None) -> dict[str, float]:
-    """accuracy, precision, recall, F1 (positive = yes), yes_ratio, unparsed share; precision
-    (no yes answer) and F1 (no true positive) are NaN where undefined."""
+    """accuracy, precision, recall, F1 (positive = yes), yes_ratio, unparsed share. F1 is
+    2 TP / (predicted yes + labelled yes): 0 for a model that never says yes to a question whose
+    answer is yes (no true positive), NaN only when no question is answered or labelled yes;
+    precision (no yes answer) and recall (no yes label) are NaN where undefined."""
     rows = [records[i] for i in (range(len(records)) if idx is None else idx)]
     if not rows:
         raise ValueError("POPE needs at least one question")
@@ -149,7 +151,7 @@ def pope(records: Sequence[Record], idx: Sequence[int] | None = None) -> dict[st
     label_yes = sum(r["label_yes"] for r in rows)
     precision = tp / pred_yes if pred_yes else math.nan
     recall = tp / label_yes if label_yes else math.nan
-    f1 = 2 * precision * recall / (precision + recall) if tp else math.nan
+    f1 = 2 * tp / (pred_yes + label_yes) if pred_yes + label_yes else math.nan
     return {"accuracy": sum(r["correct"] for r in rows) / len(rows), "precision": precision,
             "recall": recall, "f1": f1, "yes_ratio": pred_yes / len(rows),
             "unparsed": sum(r["unparsed"] for r in rows) / len(rows)}

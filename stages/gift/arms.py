@@ -138,12 +138,20 @@ def output_attention(vlm: vlm_model.VLM, prompts: Sequence[Sequence[int]],
     return torch.stack(rows).mean(0)
 
 
+# What the official code's POS filter ({NOUN, PROPN, VERB, ADJ, ADV, NUM}) keeps of the caption
+# prompt `describe the image .` (stages.tasks.shapes.CAPTION_QUERY): the verb and the noun, not
+# the article or the full stop. The POPE questions `is there a <colour> <shape> ?` keep the
+# colour and the shape (`is` is AUX, `there` PRON), which the class words cover.
+PROMPT_WORDS = frozenset({"describe", "image"})
+
+
 def load_split(data_dir: Any, split: str, max_rows: int | None
                ) -> tuple[Any, list[Any], Any, list[str], set[str]]:
     """(images table, decoded images, its POPE questions, object vocabulary, lexicon) of one
     shapes split, every table and image checked first (stages/train/vlm.py `load_family`).
     The lexicon (spec §4: "a fixed lexicon of object and colour words", standing in for spaCy's
-    POS filter) is every colour and shape word of the classes."""
+    POS filter) is every colour and shape word of the classes, plus `PROMPT_WORDS`, the caption
+    prompt's content words."""
     from stages.tasks import shapes
     from stages.train.vlm import load_family
 
@@ -156,4 +164,4 @@ def load_split(data_dir: Any, split: str, max_rows: int | None
         colour, kind = name.split(" ")
         colours.add(colour)
         kinds.add(kind)
-    return df, images, qa, shapes.class_names(colours, kinds), colours | kinds
+    return df, images, qa, shapes.class_names(colours, kinds), colours | kinds | PROMPT_WORDS

@@ -16,8 +16,9 @@ Claims (GIFT, arXiv 2510.22067; numbers [secondary], GIFT spec §1):
 - the spec's predicted order on hallucination, full GIFT < visual-only < VAF (no number);
 - POPE F1 does not fall (paper +1.4 points, 82.4 -> 83.8), per negative kind: a
   non-inferiority claim, reproduced when the CI of GIFT - greedy F1 lies above -`pope_margin`;
-  not tested (`pope_constant_answers` = 1) when greedy gives one answer to every question in
-  every seed.
+  not tested (`claim/<name>/untestable` = 1) only when GIFT and greedy both give one answer
+  to every question in every seed, and the same one (`untestable_pope`);
+  `pope_constant_answers` records whether greedy alone does.
 
 Outputs: the README table (`results_table`), `<report>/samples.png` (test images with each
 arm's caption, first seed).
@@ -133,6 +134,21 @@ def constant_answers(pope: Any, arm: str = "greedy") -> bool:
     return bool(rates.height) and all(r in (0.0, 1.0) for r in rates["pred_yes"].to_list())
 
 
+def untestable_pope(pope: Any, method: str, baseline: str) -> bool:
+    """True when a POPE claim of `method` against `baseline` has nothing to measure: both arms
+    answer every question the same way within each seed (`constant_answers`) AND give the same
+    answer to every question. Greedy alone being constant is not enough: a decoding change
+    that flips answers is exactly what a "POPE F1 does not fall" claim must catch."""
+    import polars as pl
+
+    if not (constant_answers(pope, method) and constant_answers(pope, baseline)):
+        return False
+    key = ["seed", "image_id", "negative"]
+    a = pope.filter(pl.col("arm") == method).select(*key, "pred_yes").sort(key)
+    b = pope.filter(pl.col("arm") == baseline).select(*key, "pred_yes").sort(key)
+    return a.height == b.height and a.equals(b)
+
+
 def samples_figure(captions: Any, data_dir: Any, n: int, path: Any) -> None:
     """n test images of the first seed with each arm's caption under them."""
     import matplotlib
@@ -196,8 +212,10 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     metrics["pope_constant_answers"] = float(pope_constant)
     for name, (method, baseline, statistic, relative, direction, rule, paper, _
                ) in CLAIMS.items():
-        if pope_constant and statistic.startswith("pope_"):
-            print(f"compare: {name}: not tested (greedy answers every question the same)")
+        if statistic.startswith("pope_") and untestable_pope(pope, method, baseline):
+            metrics[f"claim/{name}/untestable"] = 1.0
+            print(f"compare: {name}: not tested ({method} and {baseline} give the same constant "
+                  f"answer to every question)")
             continue
         margin = cfg.pope_margin if rule == "noninferior" else None
         c = claim_for(captions, pope, method, baseline, statistic, relative, direction, paper,
@@ -257,13 +275,13 @@ def results_table(metrics: dict[str, dict[str, Any]]) -> str:
             text += f" (non-inferiority, margin {margin:g})"
         if c is not None:
             lines.append(f"| {text} | {c.sentence()} |")
-        elif m.get("pope_constant_answers") and name.startswith("pope_"):
-            lines.append(f"| {text} | **not tested**: greedy gives one answer to every yes/no "
-                         "question in every seed, so POPE cannot move |")
+        elif m.get(f"claim/{name}/untestable"):
+            lines.append(f"| {text} | **not tested**: GIFT and greedy give the same single "
+                         "answer to every yes/no question in every seed |")
     lines += ["", "CHAIR claims are relative changes ((method − baseline) / baseline), POPE "
                   "claims differences in F1; CIs resample the images within each seed. A POPE "
                   "claim is reproduced when the whole CI lies above −margin (F1 does not fall by "
                   "more than the margin), contradicted when it lies below. A cell marked (k/n) "
                   "is over the k of n seeds where the value is defined (POPE F1 is not where a "
-                  "model never answers yes).", ""]
+                  "model never answers yes to any question).", ""]
     return "\n".join(lines)

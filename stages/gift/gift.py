@@ -173,8 +173,8 @@ def choose_layers(change: torch.Tensor, enhance_fraction: float = 0.4,
                   window: tuple[float, float] = (0.25, 0.75)) -> tuple[int, list[int]]:
     """The paper's rule: L_s = the layer with the largest total positive change among the middle
     layers (fractions `window` of the depth), L_e = the next round(enhance_fraction * n_layers)
-    layers after it (at least one). LLaVA-1.5-7B's published 11 / 12-22 is this shape (32 layers).
-    -> (L_s, L_e)."""
+    layers after it (at least one). For LLaVA-1.5-7B (32 layers) the rule gives 12-24 after an
+    L_s of 11, near the published 11 / 12-22, not equal to it. -> (L_s, L_e)."""
     n = change.shape[0]
     if n < 2:
         raise ValueError(f"the layer rule needs at least 2 layers, got {n}")

@@ -82,7 +82,7 @@ def test_structure_f1_hard_and_soft_on_hand_cases():
     assert compare.memorised_f1() == pytest.approx(2 / 7)
 
 
-def test_trivial_graphs_on_relay_and_the_induction_claim():
+def test_trivial_graphs_on_relay_and_the_induction_claim(tmp_path):
     # relay has 3 of the 12 directed off-diagonal edges. Graphs that ignore the images:
     # Pendulum's graph: TP 1, FP 3, FN 2 -> 2 / 7; every edge: TP 3, FP 9, FN 0 -> 6 / 15;
     # no edge: TP 0, FN 3 -> 0 (not the empty-vs-empty 1)
@@ -96,27 +96,39 @@ def test_trivial_graphs_on_relay_and_the_induction_claim():
     f1_seeds, gap = {0: 0.29, 1: 0.30, 2: 0.31}, {0: 0.01, 1: 0.02, 2: 0.015}
     c_f1, c_gap, v = compare.induced_claim(f1_seeds, gap, best)
     assert c_f1.diff == pytest.approx(-0.1) and c_f1.high < 0 and v == -1
-    # F1 above 0.4 with a gap above 0: reproduced; the same F1 with no gap: not reproduced
+    # F1 above 0.4 with a gap above the threshold (0.05): reproduced; the same F1 with a gap
+    # that is positive but tiny (an absolute value always is): not reproduced
     up = {0: 0.60, 1: 0.65, 2: 0.70}
-    assert compare.induced_claim(up, gap, best)[2] == 1
-    flat = {0: 0.0, 1: 0.001, 2: -0.001}                     # gap CI holds 0
-    c_f1, c_gap, v = compare.induced_claim(up, flat, best)
-    assert c_f1.verdict == 1 and c_gap.verdict == 0 and v == 0
+    gap = {0: 0.10, 1: 0.12, 2: 0.11}
+    assert compare.induced_claim(up, gap, best, 0.05)[2] == 1
+    tiny = {0: 0.0001, 1: 0.0002, 2: 0.00015}               # CI above 0, below 0.05
+    c_f1, c_gap, v = compare.induced_claim(up, tiny, best, 0.05)
+    assert c_f1.verdict == 1 and c_gap.verdict == -1 and v == 0
+    assert compare.induced_claim(up, tiny, best, 0.0)[2] == 1     # what the old test let pass
     # the compare stage writes one verdict for it, plus the gap's CI beside it
     m = {f"seed{s}/bridgevlm/{k}": d[s] for s in up
          for k, d in (("a_f1_hard_relay", up), ("a_scm_gap", gap), ("intervention_acc", up))}
+
+    rows = pendulum.generate_splits(pendulum.TaskConfig(), {"test": 8, "val": 0, "train": 0},
+                                     seed=0)["test"]
+    pl.DataFrame(rows, schema=pendulum.SCHEMA).write_parquet(tmp_path / "test.parquet")
 
     class Ctx:
         def stage_metrics(self, stage):
             return m
 
+        def path(self, key):
+            assert key == "bridgevlm_data"
+            return tmp_path
+
     out = compare.run(compare.Config(), Ctx())
     assert out["claim/induced/verdict"] == 1 and out["trivial_f1_best"] == pytest.approx(0.4)
-    assert out["claim/induced/gap_diff"] == pytest.approx(0.015)
+    assert out["claim/induced/gap_diff"] == pytest.approx(0.11 - 0.05)
     assert compare.headline(out)["reproduced"] == 1
+    assert 0.0 <= out["rule/cf_acc"] <= 1.0 and "rule/relay/intervention_acc" in out
     row = [r for r in compare.results_table({"compare": out}).splitlines()
            if "the DAG is induced" in r]
-    assert len(row) == 1 and "0.400" in row[0] and "A gap 0.015" in row[0]
+    assert len(row) == 1 and "0.400" in row[0] and "A gap - 0.05: 0.060" in row[0]
 
 
 def test_info_nce_prefers_the_aligned_descriptions_and_ramp_weight():
@@ -439,3 +451,33 @@ def test_checkpoint_selection_points_and_best_step():
     assert train.pick_best({499: 0.1}) == 499
     with pytest.raises(ValueError, match="select_every picks a checkpoint on the val split"):
         train.Config(arms={"answer_only": train.Arm()}, split="val", select_every=10)
+
+
+def test_rule_baselines_by_hand():
+    import polars as pl
+
+    from stages.tasks.pendulum import propagate
+
+    # pendulum, before [1, 2, 1, 1], do(angle = 3) -> [3, 2, 2, 2]: the first changed variable
+    # is angle (right); cf light = 0 -> [1, 0, 0, 2] but copy-and-set gives [1, 0, 1, 1] (wrong).
+    # relay, before [0, 1, 0, 2], do(shadow_pos = 0) -> shadow_len moves too and comes first in
+    # the rendered order (wrong); cf shadow_len = 3 (a leaf) -> copy-and-set is right
+    assert propagate("pendulum", [1, 2, 1, 1], {0: 3}) == [3, 2, 2, 2]
+    assert propagate("relay", [0, 1, 0, 2], {3: 0}) == [0, 1, 2, 0]
+    rows = pl.DataFrame({
+        "scm": ["pendulum", "relay"], "before": [[1, 2, 1, 1], [0, 1, 0, 2]],
+        "after": [[3, 2, 2, 2], [0, 1, 2, 0]], "do_var": ["angle", "shadow_pos"],
+        "cf_var": ["light", "shadow_len"], "cf_value": [0, 3],
+        "cf_values": [propagate("pendulum", [1, 2, 1, 1], {1: 0}),
+                      propagate("relay", [0, 1, 0, 2], {2: 3})]})
+    out = compare.rule_baselines(rows)
+    assert out["rule/intervention_acc"] == 0.5 and out["rule/cf_acc"] == 0.5
+    assert out["rule/pendulum/intervention_acc"] == 1.0 and out["rule/pendulum/cf_acc"] == 0.0
+    assert out["rule/relay/intervention_acc"] == 0.0 and out["rule/relay/cf_acc"] == 1.0
+
+
+def test_no_node_ablation_is_paired_with_input_concat_bridgevlm():
+    # no_node cannot run RAMP inside the decoder; bridgevlm_concat is the arm that differs from
+    # it in the node tokens only
+    method, baseline, statistic, *_ = compare.CLAIMS["no_node"]
+    assert (method, baseline, statistic) == ("bridgevlm_concat", "no_node", "average_acc")

@@ -41,6 +41,12 @@ def test_pope_counts_by_hand():
     # tp 1, predicted yes 2, labelled yes 2; correct: 1st, 4th (unparsed = not yes), 5th
     assert result == pytest.approx({"accuracy": 0.6, "precision": 0.5, "recall": 0.5, "f1": 0.5,
                                     "yes_ratio": 0.4, "unparsed": 0.2})
+    # a model that never says yes: F1 is 0 where some answer is yes (no true positive), not
+    # undefined; precision is undefined (no yes answer); all undefined without any yes at all
+    never = metrics.pope(metrics.pope_per_item(["no", "no", "no"], [True, False, False]))
+    assert never["f1"] == 0.0 and never["recall"] == 0.0 and math.isnan(never["precision"])
+    none = metrics.pope(metrics.pope_per_item(["no", "no"], [False, False]))
+    assert math.isnan(none["f1"]) and none["accuracy"] == 1.0
 
 
 def test_paired_bootstrap_resamples_the_same_images_on_both_sides():

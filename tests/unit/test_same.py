@@ -270,3 +270,14 @@ def test_headline_counts_the_claims_not_the_gate():
          "claim/b/verdict": float(code["reproduced"])}
     out = headline(m)
     assert out["reproduced"] == 1.0 and out["inconclusive"] == 1.0 and out["gate"] == 1.0
+
+
+def test_claims_pair_seeds_each_the_mean_of_its_orders():
+    from stages.same.compare import by_seed, gate
+
+    # two orders per seed tune the same checkpoint: one value per seed, the mean of its orders
+    runs = {(0, 0): -0.20, (0, 1): -0.10, (1, 0): -0.30, (1, 1): -0.10, (2, 1): 0.05,
+            (2, 0): -0.05}
+    assert by_seed(runs) == pytest.approx({0: -0.15, 1: -0.20, 2: 0.0})
+    g = gate(list(by_seed(runs).values()))
+    assert g.n == 3 and g.diff == pytest.approx(-0.35 / 3)
