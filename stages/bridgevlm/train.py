@@ -584,9 +584,7 @@ def train_job(job: tuple[Config, str, str, int, str, int]) -> tuple[list[dict], 
 
 
 def run(cfg: Config, ctx: Any) -> dict[str, float]:
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
+    from stages.core.pool import map_jobs
     from stages.models.base import set_threads
 
     threads = set_threads(cfg.num_threads)
@@ -606,13 +604,8 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
           f"thread(s)", flush=True)
     with io.atomic_path(out, is_dir=True) as tmp:
         args = [(cfg, str(folder), name, seed, str(tmp), threads) for name, seed in jobs]
-        if cfg.workers > 1:
-            # spawned, not forked: no torch / MLflow threads copied into the workers
-            with ProcessPoolExecutor(min(cfg.workers, len(jobs)),
-                                     mp_context=multiprocessing.get_context("spawn")) as pool:
-                results = list(pool.map(train_job, args))
-        else:
-            results = [train_job(a) for a in args]
+        # spawned workers (no torch / MLflow threads copied), results in job order
+        results = map_jobs(train_job, args, cfg.workers)
         for (name, seed), (records, m) in zip(jobs, results):
             with ctx.method_run(ctx.stage, name, seed,
                                 params={"arm": name, **cfg.arms[name].model_dump()}) as mr:
