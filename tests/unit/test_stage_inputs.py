@@ -120,8 +120,11 @@ INPUTS: dict[str, Callable[[], FrameSpec]] = {
                                      "train"),
     "same/runs (compare)": _attr("stages.same.train", "runs_spec"),
     "same/matrix (compare)": _attr("stages.same.train", "matrix_spec"),
-    # bridgevlm train (train.load_split): the SCM image pairs
+    # bridgevlm train (train.load_split): the SCM image pairs; compare: the test split's true
+    # levels (the graph-free rule baselines)
     "bridgevlm/pairs (train)": _attr("stages.tasks.pendulum", "expectations", None, "train"),
+    "bridgevlm/pairs test (compare)": _attr("stages.tasks.pendulum", "expectations", None,
+                                            "test"),
 }
 
 # Modules reading through the loader with a spec built inside the reading function; their
@@ -253,7 +256,7 @@ def test_every_reading_module_is_covered():
                "stages/ampd/compare.py", "stages/maps/compare.py", "stages/maps/simulate.py",
                "stages/maps/workload.py", "stages/agents/trajectories.py",
                "stages/train/vlm.py", "stages/gift/compare.py", "stages/bridgevlm/train.py",
-               "stages/core_align/compare.py",
+               "stages/bridgevlm/compare.py", "stages/core_align/compare.py",
                "stages/same/train.py", "stages/same/compare.py",
                "stages/ddr/expert.py", "stages/ddr/explore.py", "stages/ddr/score.py",
                "stages/plugmem/train.py", "stages/plugmem/structure.py",
