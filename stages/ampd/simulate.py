@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import time
-from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -26,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from stages.ampd.planner import PLAN_KEYS
 from stages.ampd.workload import GRID_KEYS
 from stages.core.checks import read_json_checked
+from stages.core.pool import map_jobs
 from stages.core import io
 from stages.core.context import Context
 from stages.serving.latency import load_profile
@@ -135,15 +135,8 @@ def run(cfg: Config, ctx: Context) -> dict[str, float]:
             for arm in cfg.arms for seed in grid["seeds"]
             for i, load in enumerate(grid["loads"])]
     started = time.perf_counter()
-    if cfg.workers > 1:
-        # spawn: a fresh interpreter per worker, nothing inherited from the tracker's threads
-        import multiprocessing as mp
-
-        with ProcessPoolExecutor(min(cfg.workers, os.cpu_count() or 1),
-                                 mp_context=mp.get_context("spawn")) as pool:
-            results = list(pool.map(_one, jobs, chunksize=1))
-    else:
-        results = [_one(j) for j in jobs]
+    # spawned workers (nothing inherited from the tracker's threads), results in job order
+    results = map_jobs(_one, jobs, min(cfg.workers, os.cpu_count() or 1))
     wall = time.perf_counter() - started
     rows = [r for r, _ in results]
     for r in rows:

@@ -21,7 +21,6 @@ all arms, so the arms of a trace always see the same file.
 from __future__ import annotations
 
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from stages.maps.workload import calibration_spec, pred_spec
 from stages.core.checks import read_json_checked, read_parquet_checked
 from stages.core import io
+from stages.core.pool import map_jobs
 from stages.maps.policies import ARMS, make_policy
 from stages.maps.workload import ClusterSpec
 from stages.serving.latency import LatencyProfile
@@ -212,15 +212,9 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
 
     started = time.perf_counter()
     manifest, tasks = load_inputs(cfg, Path(ctx.path(cfg.workload_path)))
-    if cfg.workers > 1:
-        import multiprocessing
-
-        # spawn, not fork: the stage process runs tracking threads (MLflow, Prefect) whose locks a
-        # forked child can inherit held, and then hangs forever
-        with ProcessPoolExecutor(cfg.workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-            results = list(pool.map(_task, tasks))
-    else:
-        results = [_task(t) for t in tasks]
+    # spawned, not forked (`stages.core.pool`): the stage process runs tracking threads (MLflow,
+    # Prefect) whose locks a forked child can inherit held, and then hangs forever
+    results = map_jobs(_task, tasks, cfg.workers)
     df = pl.DataFrame([row for rows in results for row in rows])
     # each run's wall time goes to MLflow (the stage's metrics), not into the runs table: the
     # same inputs must give the same bytes
