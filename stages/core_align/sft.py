@@ -37,6 +37,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from stages.core import io
+from stages.core.pool import map_jobs
 from stages.core_align.core import CoReParams
 from stages.models import vlm as vlm_model
 
@@ -394,11 +395,7 @@ def map_seeds(cfg: Any, seed_arms_fn: Any, job_fn: Any, models: Path, train: tup
              *evaluation, out) for seed in cfg.seeds]
     print(f"{workers} worker(s) x {threads} thread(s)", flush=True)
     if workers > 1:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
-
-        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-            return list(pool.map(job_fn, jobs))
+        return map_jobs(job_fn, jobs, workers)
     set_threads(threads)
     return [seed_arms_fn(cfg, *job[2:]) for job in jobs]
 
