@@ -121,8 +121,11 @@ def memorised_f1() -> float:
 def rule_baselines(rows: Any) -> dict[str, float]:
     """Accuracy of the two graph-free rules on perfect perception (module docstring), overall
     and per SCM: `rule/intervention_acc`, `rule/cf_acc`, `rule/<scm>/...`."""
-    def first_changed(before: list[int], after: list[int]) -> str:
-        changed = [k for k, (b, a) in enumerate(zip(before, after)) if b != a]
+    def first_changed(r: dict[str, Any]) -> str:
+        changed = [k for k, (b, a) in enumerate(zip(r["before"], r["after"])) if b != a]
+        if not changed:     # do(X = v) has v != before[X]: something must change
+            raise ValueError(f"pair {r.get('id', '?')}: before {r['before']} equals after "
+                             f"{r['after']} under do({r['do_var']}): not an intervention pair")
         return pendulum.VARIABLES[changed[0]]
 
     def copy_and_set(before: list[int], var: str, value: int) -> list[int]:
@@ -132,7 +135,7 @@ def rule_baselines(rows: Any) -> dict[str, float]:
 
     hits: dict[str, list[tuple[int, int]]] = {}
     for r in rows.iter_rows(named=True):
-        interv = int(first_changed(r["before"], r["after"]) == r["do_var"])
+        interv = int(first_changed(r) == r["do_var"])
         cf = int(copy_and_set(r["before"], r["cf_var"], r["cf_value"]) == list(r["cf_values"]))
         for key in ("", f"{r['scm']}/"):
             hits.setdefault(key, []).append((interv, cf))
@@ -144,7 +147,7 @@ def rule_baselines(rows: Any) -> dict[str, float]:
 
 
 def induced_claim(f1: dict[int, float], gap: dict[int, float], baseline: float,
-                  min_gap: float = 0.05) -> tuple[stats.Claim, stats.Claim, int]:
+                  min_gap: float) -> tuple[stats.Claim, stats.Claim, int]:
     """(F1 claim, gap claim, verdict) of 'the DAG is induced' (module docstring): F1 of A on
     the held-out SCM against the constant `baseline` (best trivial graph), the gap against the
     constant `min_gap`."""

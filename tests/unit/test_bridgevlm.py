@@ -94,7 +94,7 @@ def test_trivial_graphs_on_relay_and_the_induction_claim(tmp_path):
     # the old reference (2/7) would call an A that beats it by a little "induced"; against
     # 0.4 it is contradicted (one-sample t CI of F1 - 0.4 over seeds lies below 0)
     f1_seeds, gap = {0: 0.29, 1: 0.30, 2: 0.31}, {0: 0.01, 1: 0.02, 2: 0.015}
-    c_f1, c_gap, v = compare.induced_claim(f1_seeds, gap, best)
+    c_f1, c_gap, v = compare.induced_claim(f1_seeds, gap, best, 0.0)
     assert c_f1.diff == pytest.approx(-0.1) and c_f1.high < 0 and v == -1
     # F1 above 0.4 with a gap above the threshold (0.05): reproduced; the same F1 with a gap
     # that is positive but tiny (an absolute value always is): not reproduced
@@ -474,6 +474,9 @@ def test_rule_baselines_by_hand():
     assert out["rule/intervention_acc"] == 0.5 and out["rule/cf_acc"] == 0.5
     assert out["rule/pendulum/intervention_acc"] == 1.0 and out["rule/pendulum/cf_acc"] == 0.0
     assert out["rule/relay/intervention_acc"] == 0.0 and out["rule/relay/cf_acc"] == 1.0
+    # a pair where nothing changed is not an intervention pair: named, not an IndexError
+    with pytest.raises(ValueError, match="equals after"):
+        compare.rule_baselines(rows.with_columns(pl.col("before").alias("after")))
 
 
 def test_no_node_ablation_is_paired_with_input_concat_bridgevlm():
