@@ -81,6 +81,9 @@ def main() -> None:
             train_df, train_images = fresh_pages(data, kl, args.fresh)
         else:
             train_df, train_images = sft.load_split(data, "train", kl, 32, None)
+        first = vlm_model.load_vlm(model_dir)     # the same processor and tokenizer every run
+        pixels = vlm_model.pixel_values(first.processor, train_images)
+        pairs = sft.encode_pairs(first, train_df)
         for arm in args.arms:
             for steps in args.steps:
                 for lr in args.lr:
@@ -88,8 +91,6 @@ def main() -> None:
                                      split="val", log_every=max(1, steps // 10),
                                      num_threads=1)
                     vlm = vlm_model.load_vlm(model_dir)
-                    pixels = vlm_model.pixel_values(vlm.processor, train_images)
-                    pairs = sft.encode_pairs(vlm, train_df)
                     t = time.perf_counter()
                     m = sft.train_arm(cfg, arm, vlm, pairs, pixels, args.seed)
                     rows, acc = sft.score_arm(vlm, eval_df, eval_images, arm, args.seed, cfg,
