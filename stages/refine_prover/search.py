@@ -162,8 +162,12 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     seeds = sorted(int(p.name[4:]) for p in models.glob("seed*"))
     if not seeds:
         raise FileNotFoundError(f"{models}: no seed<k>/ folders; run stage train first")
-    jobs = [(cfg, problems, models / f"seed{seed}", seed, arm)
-            for seed in seeds for arm in (*cfg.arms, RATES)]
+    # longest first (long-history chains, then the trees, then i.i.d. and the rate samples),
+    # so no long job starts last while the other worker idles; results are keyed, not ordered
+    cost = {"long_history": 0, "iid": 2, RATES: 3}
+    jobs = sorted(((cfg, problems, models / f"seed{seed}", seed, arm)
+                   for seed in seeds for arm in (*cfg.arms, RATES)),
+                  key=lambda job: (cost.get(job[4], 1), job[3]))
     timed = map_jobs(_timed_job, jobs, cfg.workers)
     ctx.log_metrics({f"job_seconds/seed{job[3]}/{job[4]}": t for job, (t, _) in zip(jobs, timed)})
     done = {(job[3], job[4]): out for job, (_, out) in zip(jobs, timed)}
