@@ -1,6 +1,7 @@
 """How many updates does the Early Experience IL policy need? Chosen on validation goals.
 
     .venv/bin/python benchmarks/early_experience_budget.py --steps 300 1000 --seeds 0
+    .venv/bin/python benchmarks/early_experience_budget.py --world babyai --steps 250 500
 
 A diagnostic behind the `cpu` profile's update budget (`pipelines/early_experience/params.yaml`,
 `train.steps`), chosen WITHOUT the test or OOD goals: the IL policy (the pipeline's `train_one`
@@ -8,7 +9,10 @@ with the active profile's `train` section, every demonstration) is trained for e
 and seed, then played (the `evaluate` stage's budget, prompt and local backend) on
 **validation goals**: in-domain goals drawn with a generator seed of their own, none of them a
 train or test goal. Prints the success rate, the parse-failure rate and the training seconds.
-Needs the pipeline's `shop` stage output (`paperline repro early_experience` first).
+Needs the pipeline's `shop` stage output (`paperline repro early_experience` first). With
+`--world babyai`: the `babyai_train` / `babyai_evaluate` sections, the `babyai` stage's
+demonstrations, and validation missions from level seeds of their own (`BABYAI_VAL_START`, a
+ball or a box as the target like train and test, none of their seeds).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 VAL_SEED = 4            # make_goals seeds: 1 train, 2 test, 3 OOD (stages/early_experience/build.py)
+BABYAI_VAL_START = 3_000_000   # level seeds: train 0.., test 1e6.., OOD 2e6.. (params.yaml)
 
 
 def main() -> None:
@@ -30,7 +35,7 @@ def main() -> None:
     from stages.agents.trajectories import read_rollouts, summarise, to_frames
     from stages.core.config import validate_section
     from stages.core.runner import load_params
-    from stages.early_experience import shop
+    from stages.early_experience import babyai, shop
     from stages.early_experience.evaluate import Config as EvalConfig
     from stages.early_experience.train import Config as TrainConfig, train_one
     from stages.models.backend import make_backend
@@ -39,22 +44,35 @@ def main() -> None:
     ap.add_argument("--steps", type=int, nargs="+", default=[300, 1000])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--n-val", type=int, default=100)
+    ap.add_argument("--world", choices=["shop", "babyai"], default="shop")
     args = ap.parse_args()
     root_params, params, source = load_params(ROOT, "early_experience")
     profile = root_params.get("profile", "cpu")
-    tcfg = validate_section(TrainConfig, params, "train", profile, source)
-    ecfg = validate_section(EvalConfig, params, "evaluate", profile, source)
-    data = ROOT / "pipelines/early_experience/data/shop"
-    catalogue, goals = shop.read_shop(data)
-    taken = set(goals["train"]) | set(goals["test"])
-    pool = shop.make_goals(catalogue, shop.IN_DOMAIN, 4 * args.n_val, VAL_SEED, ecfg.max_results)
-    val = [g for g in pool if g not in taken][:args.n_val]
+    pre = "babyai_" if args.world == "babyai" else ""
+    tcfg = validate_section(TrainConfig, params, f"{pre}train", profile, source)
+    ecfg = validate_section(EvalConfig, params, f"{pre}evaluate", profile, source)
+    data = ROOT / "pipelines/early_experience/data" / args.world
+    if args.world == "babyai":
+        level = babyai.read_episodes(data)["train"][0].level
+        val_seeds = babyai.draw_seeds(level, babyai.IN_DOMAIN, args.n_val, BABYAI_VAL_START)
+
+        def val_envs() -> list:
+            return [babyai.BabyAIEnv(level, s) for s, _ in val_seeds]
+    else:
+        catalogue, goals = shop.read_shop(data)
+        taken = set(goals["train"]) | set(goals["test"])
+        pool = shop.make_goals(catalogue, shop.IN_DOMAIN, 4 * args.n_val, VAL_SEED,
+                               ecfg.max_results)
+        val = [g for g in pool if g not in taken][:args.n_val]
+
+        def val_envs() -> list:
+            return shop.envs_for(catalogue, val, "val", ecfg.max_results)
     episodes, steps = read_rollouts(data / "expert")
     il = il_examples(episodes, steps)
     budget = Budget(max_steps=ecfg.max_steps, max_new_tokens=ecfg.max_new_tokens,
                     max_failures=ecfg.max_failures)
-    print(f"profile {profile}: IL on {len(il[0])} expert turns, {len(val)} validation goals "
-          f"(make_goals seed {VAL_SEED}, none a train or test goal)")
+    print(f"profile {profile}, {args.world}: IL on {len(il[0])} expert turns, {args.n_val} "
+          "validation goals (none a train or test goal)")
     print("| updates | seed | train loss | val success | parse failures / turn | train s |")
     print("|---|---|---|---|---|---|")
     for n in args.steps:
@@ -66,7 +84,7 @@ def main() -> None:
                                "threads": 1})
                 agent = ModelAgent(make_backend(ecfg.policy.model_copy(
                     update={"model": str(Path(tmp) / "il")}), root=ROOT), name="il")
-                envs = shop.envs_for(catalogue, val, "val", ecfg.max_results)
+                envs = val_envs()
                 eps = run_episodes(envs, agent, budget, ecfg.prompt,
                                    episode_ids=[f"val/{i}" for i in range(len(envs))],
                                    batch_size=ecfg.batch_size, seed=seed)

@@ -219,6 +219,10 @@ STAGES: dict[str, dict[str, str]] = {
         "experience": "stages.early_experience.explore",
         "train": "stages.early_experience.train",
         "evaluate": "stages.early_experience.evaluate",
+        "babyai": "stages.early_experience.build_babyai",
+        "babyai_experience": "stages.early_experience.explore",
+        "babyai_train": "stages.early_experience.train",
+        "babyai_evaluate": "stages.early_experience.evaluate",
         "compare": "stages.early_experience.compare",
     },
     # Refine-Prover: a toy tactic language with a Python kernel (z3-certified statements, a

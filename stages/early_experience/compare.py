@@ -9,6 +9,9 @@ success rate; every arm played the same goals, so each seed's pair is also paire
     iwm_vs_dpo, sr_vs_dpo           "DPO is weaker than IWM and SR" [secondary]
     il_vs_random                    [ours] the imitation policy beats the random floor (it
                                     learned something at all)
+    babyai_<claim>                  (with `babyai` in `worlds`) every claim above on BabyAI
+                                    (stages.early_experience.babyai): the same predicted
+                                    directions; the paper has no BabyAI number
     <arm>_f<f>_vs_il                (with train.fractions) early experience on the smallest
                                     fraction of the demonstrations vs IL on all of them; "with
                                     1/8 of the demonstrations, early experience beats full-data
@@ -18,9 +21,9 @@ success rate; every arm played the same goals, so each seed's pair is also paire
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from stages.core import stats
 
@@ -34,8 +37,15 @@ CLAIMS = {  # name: (method setting, baseline setting, split, paper effect)
 }
 
 
+# world -> (its evaluate stage, its world stage with the floor, claim-name prefix)
+WORLDS = {"shop": ("evaluate", "shop", ""), "babyai": ("babyai_evaluate", "babyai", "babyai_")}
+
+
 class Config(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    worlds: list[Literal["shop", "babyai"]] = Field(
+        default_factory=lambda: ["shop"], min_length=1, description="environments compared")
 
 
 def seeds_of(m: dict[str, float]) -> list[int]:
@@ -57,11 +67,24 @@ def fractions_of(m: dict[str, float]) -> list[float]:
 
 
 def run(cfg: Config, ctx: Any) -> dict[str, float]:
-    m = ctx.stage_metrics("evaluate")
-    floor = ctx.stage_metrics("shop")
+    out: dict[str, float] = {}
+    for world in cfg.worlds:
+        stage, floor_stage, prefix = WORLDS[world]
+        got = world_claims(ctx.stage_metrics(stage), ctx.stage_metrics(floor_stage), stage,
+                           paper_effects=world == "shop")
+        out.update({k.replace("claim/", f"claim/{prefix}", 1) if prefix else k: v
+                    for k, v in got.items() if k != "seeds"})
+        out[f"{prefix}seeds"] = got["seeds"]
+    return out
+
+
+def world_claims(m: dict[str, float], floor: dict[str, float], stage: str, *,
+                 paper_effects: bool = True) -> dict[str, float]:
+    """The claims of one environment from its evaluate and world stages' metrics (the paper's
+    WebShop effects beside the mini-WebShop's claims only: it reports no BabyAI number)."""
     seeds = seeds_of(m)
     if len(seeds) < 2:
-        raise ValueError(f"compare: {len(seeds)} seed(s) in details/evaluate.json; paired CIs "
+        raise ValueError(f"compare: {len(seeds)} seed(s) in details/{stage}.json; paired CIs "
                          "need at least 2")
     out: dict[str, float] = {"seeds": float(len(seeds))}
     claims = dict(CLAIMS)
@@ -74,7 +97,7 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
         a, b = per_seed(m, method, split, seeds), per_seed(m, base, split, seeds)
         if a is None or b is None:
             continue                      # an arm not run at this profile
-        c = stats.claim_by_key(a, b, paper_effect=effect)
+        c = stats.claim_by_key(a, b, paper_effect=effect if paper_effects else None)
         out.update(stats.claim_metrics(c, f"claim/{name}"))
     il = per_seed(m, "il", "test", seeds)
     assert il is not None
@@ -96,11 +119,27 @@ NAMES = {"iwm_vs_il": "IWM > IL, in-domain", "sr_vs_il": "SR > IL, in-domain",
 
 
 def results_table(metrics: dict[str, dict[str, Any]]) -> str:
-    """README block: success per arm in-domain and OOD with the ceiling and floor, the
-    data-efficiency and K tables when run, and the claims."""
-    e, s, c = (metrics.get(k, {}) for k in ("evaluate", "shop", "compare"))
-    if not any(k.startswith("claim/") for k in c) or "expert/test/success" not in s:
+    """README block, per environment: success per arm in-domain and OOD with the ceiling and
+    floor, the data-efficiency and K tables when run, and the claims."""
+    c = metrics.get("compare", {})
+    if not any(k.startswith("claim/") for k in c) or \
+            "expert/test/success" not in metrics.get("shop", {}):
         return "_No results yet: run the pipeline._\n"
+    out = world_table(metrics, "shop")
+    if "babyai_seeds" in c and "expert/test/success" in metrics.get("babyai", {}):
+        out += "\n### BabyAI\n\n" + world_table(metrics, "babyai")
+    return out
+
+
+def world_table(metrics: dict[str, dict[str, Any]], world: str) -> str:
+    stage, floor_stage, prefix = WORLDS[world]
+    e, s = metrics.get(stage, {}), metrics.get(floor_stage, {})
+    others = tuple(f"claim/{p}" for _, _, p in WORLDS.values() if p and p != prefix)
+    c = {k.replace(f"claim/{prefix}", "claim/", 1): v for k, v in metrics["compare"].items()
+         if k.startswith(f"claim/{prefix}") and not k.startswith(others)}
+    train = metrics.get("babyai_train" if world == "babyai" else "train", {})
+    ood = "OOD (a key as the target)" if world == "babyai" else "OOD (unseen categories)"
+    expert = "BabyAIBot (the ceiling)" if world == "babyai" else "expert (scripted, the ceiling)"
     seeds = seeds_of(e)
 
     def f(d: dict[str, Any], key: str) -> str:
@@ -116,9 +155,9 @@ def results_table(metrics: dict[str, dict[str, Any]]) -> str:
 
     lines = [f"**Success rate** (mean ± std over {len(seeds)} training seeds; the same goals "
              "for every arm; every learned arm at the same number of updates):", "",
-             "| arm | in-domain | OOD (unseen categories) | parse failures / turn |",
+             f"| arm | in-domain | {ood} | parse failures / turn |",
              "|---|---|---|---|",
-             f"| expert (scripted, the ceiling) | {f(s, 'expert/test/success')} | "
+             f"| {expert} | {f(s, 'expert/test/success')} | "
              f"{f(s, 'expert/ood/success')} | - |"]
     for arm, label in ARMS_SHOWN:
         if f"{arm}/success_test" in e:
@@ -139,7 +178,7 @@ def results_table(metrics: dict[str, dict[str, Any]]) -> str:
                     for x in cols) + " |")
     ks = sorted({int(k.split("/")[0].split("@k")[1]) for k in e if "@k" in k.split("/")[0]})
     if ks:
-        main_k = int(metrics.get("train", {}).get("iwm/k", 0) or 0)
+        main_k = int(train.get("iwm/k", 0) or 0)
         cols = sorted({*ks, main_k} - {0})
         lines += ["", "**K alternatives per state** (in-domain success):", "",
                   "| arm | " + " | ".join(f"K={k}" for k in cols) + " |",

@@ -1,5 +1,6 @@
-"""Stage `evaluate`: every trained policy plays the in-domain test goals and the OOD goals
-(unseen categories), greedy, through the harness's rollout runner and the LLM backend: the
+"""Stages `evaluate` (mini-WebShop) and `babyai_evaluate` (BabyAI): every trained policy plays
+the in-domain test goals and the OOD goals (unseen categories; BabyAI: a key as the target),
+greedy, through the harness's rollout runner and the LLM backend: the
 `local` backend loads each `train` folder with the real Hugging Face code; at the `gpu` profile
 `policy.kind: openai` plays the served model named `policy.model` with `{setting}` and `{seed}`
 filled in (one served model per trained policy).
@@ -15,7 +16,7 @@ characters (room for the reflection an SR policy writes before its action).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import polars as pl
 from pydantic import BaseModel, ConfigDict, Field
@@ -26,7 +27,7 @@ from stages.agents.trajectories import summarise, to_frames, write_rollouts
 from stages.core import io
 from stages.core.checks import ColumnSpec, FrameSpec
 from stages.core.config import section_for
-from stages.early_experience import shop
+from stages.early_experience import babyai, shop
 from stages.early_experience.train import Config as TrainConfig, settings
 from stages.models.backend import BackendConfig, make_backend
 
@@ -54,12 +55,26 @@ class Config(BaseModel):
                                   "a served model per policy, `model` with {setting}/{seed}")
     batch_size: int = Field(256, ge=1, le=65_536, description="episodes stepped together")
     num_threads: int = Field(0, ge=0, le=256)
+    world: Literal["shop", "babyai"] = Field("shop", description="the environment")
+    source: str = Field("ee_shop", description="path key: the world stage's folder")
+    policies: str = Field("ee_policies", description="path key: the trained policies")
+    train_section: str = Field("train", description="the params section of the train stage "
+                               "whose settings and seeds are played")
+    out: str = Field("ee_runs", description="path key: rollouts and success table")
+
+
+def split_envs(cfg: Config, ctx: Any, split: str) -> list[Any]:
+    """Fresh environments of one split's goals / missions, in goal order."""
+    if cfg.world == "babyai":
+        return babyai.read_episodes(ctx.path(cfg.source))[split]
+    catalogue, goals = shop.read_shop(ctx.path(cfg.source))
+    return shop.envs_for(catalogue, goals[split], split, cfg.max_results)
 
 
 def _agent(cfg: Config, ctx: Any, setting: str, seed: int) -> ModelAgent:
     bc = cfg.policy
     if bc.kind == "local":
-        path = ctx.path("ee_policies") / setting / f"s{seed}"
+        path = ctx.path(cfg.policies) / setting / f"s{seed}"
         return ModelAgent(make_backend(bc.model_copy(update={"model": str(path)}),
                                        root=ctx.root), name=setting)
     name = bc.model.format(setting=setting, seed=seed)
@@ -71,9 +86,9 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     from stages.models import base
 
     base.set_threads(cfg.num_threads)
-    catalogue, goals = shop.read_shop(ctx.path("ee_shop"))
+    split_envs(cfg, ctx, "test")          # the goals read and checked before any model loads
     # the settings and seeds `train` trained (its section, the active profile applied)
-    tcfg = TrainConfig.model_validate(section_for(ctx.params, "train", ctx.profile,
+    tcfg = TrainConfig.model_validate(section_for(ctx.params, cfg.train_section, ctx.profile,
                                                   "params.yaml"))
     budget = Budget(max_steps=cfg.max_steps, max_new_tokens=cfg.max_new_tokens,
                     max_failures=cfg.max_failures)
@@ -84,8 +99,9 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
             agent = _agent(cfg, ctx, name, seed)
             envs, ids = [], []
             for split in ("test", "ood"):
-                envs += shop.envs_for(catalogue, goals[split], split, cfg.max_results)
-                ids += [f"{name}/s{seed}/{split}/{g}" for g in range(len(goals[split]))]
+                fresh = split_envs(cfg, ctx, split)
+                envs += fresh
+                ids += [f"{name}/s{seed}/{split}/{g}" for g in range(len(fresh))]
             eps = run_episodes(envs, agent, budget, cfg.prompt, episode_ids=ids,
                                batch_size=cfg.batch_size, seed=seed)
             episodes, steps = to_frames(eps, name)
@@ -106,9 +122,9 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
             if name == arm:     # the main setting: one MLflow run per (arm, seed)
                 params = {"arm": arm, "seed": seed, "updates": tcfg.steps, "k": tcfg.k,
                           "reflections": "templated" if arm == "sr" else "none"}
-                with ctx.method_run("evaluate", arm, seed, params=params) as run_:
+                with ctx.method_run(ctx.stage, arm, seed, params=params) as run_:
                     run_.log_metrics(metrics)
-    with io.atomic_path(ctx.path("ee_runs"), is_dir=True) as tmp:
+    with io.atomic_path(ctx.path(cfg.out), is_dir=True) as tmp:
         write_rollouts(tmp / "rollouts", pl.concat(all_eps), pl.concat(all_steps))
         pl.DataFrame(rows, schema=SUCCESS_SCHEMA).write_parquet(tmp / "success.parquet")
     for name, _, _, _ in settings(tcfg):

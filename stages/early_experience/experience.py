@@ -32,9 +32,9 @@ from __future__ import annotations
 import copy
 import random
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
-from stages.agents.protocol import parse_call
+from stages.agents.protocol import Env, parse_call
 from stages.agents.react import PromptFormat
 from stages.early_experience.shop import ShopEnv
 
@@ -45,17 +45,17 @@ class Branch:
 
     call: str
     observation: str
-    env: ShopEnv
+    env: Any
 
 
-def step_copy(env: ShopEnv, call: str) -> Branch:
+def step_copy(env: Env, call: str) -> Branch:
     """Execute `call` for one step on a copy of `env` (the original is untouched)."""
     twin = copy.deepcopy(env)
     result = twin.step(parse_call(call, twin.tools))
     return Branch(call, result.observation, twin)
 
 
-def alternatives(env: ShopEnv, expert_call: str, k: int, rng: random.Random) -> list[str]:
+def alternatives(env: Env, expert_call: str, k: int, rng: random.Random) -> list[str]:
     """Up to `k` distinct legal calls other than the expert's, uniformly drawn."""
     pool = [a for a in env.legal_actions() if a != expert_call]
     return rng.sample(pool, min(k, len(pool)))
@@ -107,17 +107,20 @@ def reflection(env: ShopEnv, expert: Branch, alt: Branch) -> str:
     return f"{why}; {good}"
 
 
-def explore_state(env: ShopEnv, expert_call: str, k: int, rng: random.Random
+def explore_state(env: Env, expert_call: str, k: int, rng: random.Random,
+                  reflect: Callable[[Any, Branch, Branch], str] = reflection
                   ) -> list[dict[str, object]]:
     """The rows of one expert state: j = 0 the expert's transition, j = 1..k the alternatives,
-    each with its one-step outcome and (alternatives only) the templated reflection."""
+    each with its one-step outcome and (alternatives only) the templated reflection
+    `reflect(env, expert, alternative)` (the mini-WebShop's `reflection` by default; BabyAI's
+    is `stages.early_experience.babyai.reflection`)."""
     expert = step_copy(env, expert_call)
     rows: list[dict[str, object]] = [{"j": 0, "call": expert_call, "next": expert.observation,
                                       "reflection": ""}]
     for j, a in enumerate(alternatives(env, expert_call, k, rng), start=1):
         b = step_copy(env, a)
         rows.append({"j": j, "call": a, "next": b.observation,
-                     "reflection": reflection(env, expert, b)})
+                     "reflection": reflect(env, expert, b)})
     return rows
 
 

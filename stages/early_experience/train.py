@@ -75,6 +75,9 @@ class Config(BaseModel):
     workers: int = Field(1, ge=1, le=64, description="models trained at once, one process "
                          "(1 thread) each")
     register_as: str = "early-experience-policy"
+    demos: str = Field("ee_shop", description="path key: the world stage's folder (expert/)")
+    experience: str = Field("ee_experience", description="path key: the experience table")
+    out: str = Field("ee_policies", description="path key: the trained policies")
 
     @field_validator("arms")
     @classmethod
@@ -227,8 +230,8 @@ def train_one(job: dict[str, Any]) -> dict[str, float]:
 
 def run(cfg: Config, ctx: Any) -> dict[str, float]:
     fmt = cfg.prompt
-    episodes, steps = read_rollouts(ctx.path("ee_shop") / "expert")
-    exp = read_parquet_checked(ctx.path("ee_experience"), experience_spec())
+    episodes, steps = read_rollouts(ctx.path(cfg.demos) / "expert")
+    exp = read_parquet_checked(ctx.path(cfg.experience), experience_spec())
     largest_k = int(exp["j"].max())
     wanted = max([cfg.k, *cfg.k_sweep])
     if wanted > largest_k:
@@ -240,7 +243,7 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     demo_ids = sorted(episodes.filter(pl.col("success"))["episode_id"].to_list(),
                       key=lambda s: int(s.split("/")[1]))
     out: dict[str, float] = {"updates": float(cfg.steps), "demos": float(len(demo_ids))}
-    root = ctx.path("ee_policies")
+    root = ctx.path(cfg.out)
     jobs = []
     with io.atomic_path(root, is_dir=True) as tmp:
         for name, arm, frac, k in settings(cfg):

@@ -98,6 +98,38 @@ def test_registered_policy_loads_and_arms_side_by_side(ee_repo: Path):
     assert len(keys) == 1 and {"success_test", "success_ood"} <= next(iter(keys))
 
 
+def test_babyai_world_end_to_end(ee_repo: Path):
+    """The second environment (minigrid's BabyAI behind the text wrapper): the bot's demos,
+    one-step branches over its six tools, every arm played on the same missions, its claims."""
+    from stages.agents.trajectories import read_rollouts
+
+    s = io.read_metrics(ee_repo / P / "details/babyai.json")
+    assert s["demos"] == 12 and s["demo_success"] == 1.0
+    assert s["expert/test/success"] == 1.0 and s["expert/ood/success"] == 1.0
+    eps = pl.read_parquet(ee_repo / P / "data/babyai/episodes.parquet")
+    assert set(eps.filter(pl.col("split") == "ood")["target"]) == {"key"}
+    assert not set(eps.filter(pl.col("split") != "ood")["target"]) & {"key"}
+    exp = pl.read_parquet(ee_repo / P / "data/babyai_experience.parquet")
+    alts = exp.filter(pl.col("j") > 0)
+    assert exp.filter(pl.col("j") == 0).height == s["demo_turns"]
+    assert alts.height == 2 * s["demo_turns"]            # K = 2 of the 5 other tools
+    assert (alts["call"] != alts["expert_call"]).all()
+    assert alts["reflection"].str.contains(r"(ball|box)").all()
+    episodes, _ = read_rollouts(ee_repo / P / "data/babyai_runs/rollouts")
+    assert set(episodes["agent"]) == set(ARMS)
+    assert episodes.height == len(ARMS) * 2 * (4 + 4)    # arms x seeds x (test + ood)
+    c = io.read_metrics(ee_repo / P / "details/compare.json")
+    assert c["babyai_seeds"] == 2
+    for name in ("iwm_vs_il", "sr_vs_il", "iwm_vs_il_ood", "il_vs_random"):
+        assert c[f"claim/babyai_{name}/verdict"] in (-1.0, 0.0, 1.0)
+    assert "claim/babyai_iwm_vs_il/paper_effect" not in c
+    v = mlflow_client(ee_repo).get_model_version_by_alias("early-experience-babyai-policy",
+                                                          "iwm")
+    assert v.tags["arm"] == "iwm"
+    block = (ee_repo / P / "README.md").read_text().split("<!-- results:start")[1]
+    assert "### BabyAI" in block.split("<!-- results:end")[0]
+
+
 def test_bad_params_rejected_by_name_before_compute(ee_repo: Path):
     assert_bad_param_rejected(ee_repo / P, "early_experience", "train", "train.arms",
                               ["il", "iwn"], "iwn", untouched=ee_repo / P / "models/policies")

@@ -1,0 +1,90 @@
+"""Stage `babyai`: the BabyAI missions of every split, the bot's demonstrations and the reference
+arms that bound the learned ones (stages.early_experience.babyai).
+
+    <paths.ee_babyai>/episodes.parquet   split (train | test | ood), episode, level, seed,
+                                         mission, target type
+    <paths.ee_babyai>/expert/            BabyAIBot's rollouts on the train missions (checked
+                                         parquet, stages.agents.trajectories): D_expert
+
+Level seeds: train from `train_start`, test from `test_start`, OOD from `ood_start`, each the
+first seeds whose mission names a target of its split (ball or box in-domain, key OOD), so no
+test or OOD layout is a train layout. The bot and a uniform-random agent also play test and OOD:
+the ceiling and the floor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import polars as pl
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from stages.agents.react import PromptFormat
+from stages.agents.rollout import Budget, random_agent, run_episodes
+from stages.agents.trajectories import summarise, to_frames, write_rollouts
+from stages.core import io
+from stages.early_experience import babyai
+
+
+class Config(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    level: str = Field(babyai.LEVEL, description="a minigrid BabyAI level id")
+    n_train: int = Field(ge=1, le=100_000, description="demonstration missions")
+    n_test: int = Field(ge=2, le=100_000, description="in-domain test missions")
+    n_ood: int = Field(ge=2, le=100_000, description="OOD test missions (a key as the target)")
+    train_start: int = Field(0, ge=0, description="first level seed of the train missions")
+    test_start: int = Field(1_000_000, ge=0)
+    ood_start: int = Field(2_000_000, ge=0)
+    max_steps: int = Field(16, ge=4, le=1000, description="turns per episode, every agent")
+    prompt: PromptFormat
+
+    @model_validator(mode="after")
+    def _check(self) -> "Config":
+        import gymnasium as gym
+        import minigrid  # noqa: F401
+
+        if self.level not in gym.envs.registry or not self.level.startswith("BabyAI-"):
+            raise ValueError(f"babyai.level {self.level!r}: not a registered BabyAI level")
+        starts = sorted([(self.train_start, self.n_train), (self.test_start, self.n_test),
+                         (self.ood_start, self.n_ood)])
+        for (a, n), (b, _) in zip(starts, starts[1:]):
+            if a + 100 * n > b:
+                raise ValueError(f"babyai: seed ranges from {a} and {b} may overlap; space "
+                                 "train_start, test_start and ood_start further apart")
+        return self
+
+
+def run(cfg: Config, ctx: Any) -> dict[str, float]:
+    draws = {"train": babyai.draw_seeds(cfg.level, babyai.IN_DOMAIN, cfg.n_train,
+                                        cfg.train_start),
+             "test": babyai.draw_seeds(cfg.level, babyai.IN_DOMAIN, cfg.n_test, cfg.test_start),
+             "ood": babyai.draw_seeds(cfg.level, babyai.OOD, cfg.n_ood, cfg.ood_start)}
+    rows = [{"split": split, "episode": i, "level": cfg.level, "seed": seed, "mission": m,
+             "target": m.split()[-1]}
+            for split, got in draws.items() for i, (seed, m) in enumerate(got)]
+    budget = Budget(max_steps=cfg.max_steps)
+    out: dict[str, float] = {}
+    with io.atomic_path(ctx.path("ee_babyai"), is_dir=True) as tmp:
+        io.write_parquet(tmp / "episodes.parquet", pl.DataFrame(
+            rows, schema={k: getattr(pl, v) for k, v in babyai.EPISODE_SCHEMA.items()}))
+        envs = babyai.read_episodes(tmp)
+        eps = run_episodes(envs["train"], babyai.expert_agent(), budget, cfg.prompt,
+                           episode_ids=[f"train/{i}" for i in range(len(envs["train"]))])
+        episodes, steps = to_frames(eps, "expert")
+        write_rollouts(tmp / "expert", episodes, steps)
+        out["demos"] = float(episodes.height)
+        out["demo_turns"] = float(steps.height)
+        out["demo_success"] = summarise(episodes)["success_rate"]
+        for split in ("test", "ood"):
+            for name, agent in (("expert", babyai.expert_agent()), ("random", random_agent(0))):
+                fresh = babyai.read_episodes(tmp)[split]
+                eps = run_episodes(fresh, agent, budget, cfg.prompt,
+                                   episode_ids=[f"{split}/{i}" for i in range(len(fresh))])
+                out[f"{name}/{split}/success"] = sum(e.success for e in eps) / len(eps)
+    return out
+
+
+def headline(details: dict[str, float]) -> dict[str, float]:
+    return {"expert_test": details["expert/test/success"],
+            "random_test": details["random/test/success"]}
