@@ -3,8 +3,8 @@
 BabyAI (Chevalier-Boisvert et al., "BabyAI: A Platform to Study the Sample Efficiency of
 Grounded Language Learning", arXiv 1810.08272) as PyPI's `minigrid` ships it: a grid world,
 a mission in words ("go to the red ball") and a partial, egocentric 7x7 view. The level here is
-`BabyAI-GoToLocalS8N3-v0` [ours]: one 8x8 room, the target and 3 distractors (balls, boxes and
-keys of 6 colours). Success is minigrid's own verifier: the agent faces the target, next to it.
+`BabyAI-GoToLocalS8N3-v0` [ours]: one 8x8 room, 3 objects (balls, boxes and keys of 6
+colours), one of them the target. Success is minigrid's own verifier: the agent faces the target, next to it.
 
 The agent reads text, never the grid. `describe(view)` turns the egocentric view into one line,
 objects nearest first, each with its offset from the agent (cells ahead, cells to the left or
@@ -164,7 +164,11 @@ class BabyAIEnv(Env):
 def expert_action(env: BabyAIEnv) -> str:
     """minigrid's BabyAIBot, asked once per step (it keeps its own plan, so the rollout must
     take the action it returns). Privileged; never an arm under test."""
-    return ACTIONS[int(env.bot.replan())]
+    action = int(env.bot.replan())
+    if action >= len(ACTIONS):     # `done`: no GoTo level asks for it (success needs none)
+        raise ValueError(f"{env.level} seed {env.seed}: BabyAIBot chose minigrid action "
+                         f"{action}, which is not a tool here ({', '.join(ACTIONS)})")
+    return ACTIONS[action]
 
 
 def expert_agent() -> Any:

@@ -44,12 +44,13 @@ class Config(BaseModel):
         import gymnasium as gym
         import minigrid  # noqa: F401
 
-        if self.level not in gym.envs.registry or not self.level.startswith("BabyAI-"):
-            raise ValueError(f"babyai.level {self.level!r}: not a registered BabyAI level")
+        if self.level not in gym.envs.registry or not self.level.startswith("BabyAI-GoTo"):
+            raise ValueError(f"babyai.level {self.level!r}: not a registered BabyAI GoTo level "
+                             "(the wrapper reads one target object from the mission)")
         starts = sorted([(self.train_start, self.n_train), (self.test_start, self.n_test),
                          (self.ood_start, self.n_ood)])
         for (a, n), (b, _) in zip(starts, starts[1:]):
-            if a + 100 * n > b:
+            if a + 100 * n >= b:      # draw_seeds may read up to seed a + 100 n
                 raise ValueError(f"babyai: seed ranges from {a} and {b} may overlap; space "
                                  "train_start, test_start and ood_start further apart")
         return self

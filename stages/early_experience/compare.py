@@ -107,7 +107,17 @@ def world_claims(m: dict[str, float], floor: dict[str, float], stage: str, *,
 
 
 def headline(metrics: dict[str, float]) -> dict[str, float]:
-    return stats.verdict_counts(metrics)
+    """Verdict counts per world (the mini-WebShop's unprefixed, BabyAI's `babyai_...`): the
+    two worlds' claims are never summed into one count."""
+    out: dict[str, float] = {}
+    for _, _, prefix in WORLDS.values():
+        mine = {k: v for k, v in metrics.items() if k.startswith("claim/")
+                and (k.startswith(f"claim/{prefix}") if prefix
+                     else not k.startswith("claim/babyai_"))}
+        if prefix and not mine:
+            continue
+        out.update({f"{prefix}{k}": v for k, v in stats.verdict_counts(mine).items()})
+    return out
 
 
 ARMS_SHOWN = (("il", "IL (imitation)"), ("iwm", "IWM -> IL"), ("sr", "SR + IL (templated)"),

@@ -124,6 +124,30 @@ def explore_state(env: Env, expert_call: str, k: int, rng: random.Random,
     return rows
 
 
+# The `experience` stage's table (stages/early_experience/explore.py), one row per expert state
+# and branch; `train` reads it through this check.
+def _schema() -> dict[str, Any]:
+    import polars as pl
+
+    return {"episode": pl.Int64, "step": pl.Int64, "j": pl.Int64, "prompt": pl.String,
+            "expert_call": pl.String, "call": pl.String, "next": pl.String,
+            "reflection": pl.String}
+
+
+SCHEMA = _schema()
+
+
+def experience_spec() -> Any:
+    import polars as pl
+
+    from stages.core.checks import ColumnSpec, FrameSpec
+
+    cols = {k: ColumnSpec(dtype=v) for k, v in SCHEMA.items()}
+    for k in ("episode", "step", "j"):
+        cols[k] = ColumnSpec(dtype=pl.Int64, min=0)
+    return FrameSpec(cols, min_rows=1)
+
+
 # The example builders read the rows of the `experience` stage's table (one row per expert
 # state and branch: prompt, expert_call, j, call, next, reflection); `k` keeps branches j <= k.
 

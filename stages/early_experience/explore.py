@@ -20,21 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from stages.agents.protocol import Env, parse_call
 from stages.agents.trajectories import read_rollouts
 from stages.core import io
-from stages.core.checks import ColumnSpec, FrameSpec
 from stages.early_experience import babyai, shop
-from stages.early_experience.experience import explore_state, reflection
-
-SCHEMA = {"episode": pl.Int64, "step": pl.Int64, "j": pl.Int64, "prompt": pl.String,
-          "expert_call": pl.String, "call": pl.String, "next": pl.String,
-          "reflection": pl.String}
-
-
-def experience_spec() -> FrameSpec:
-    cols = {k: ColumnSpec(dtype=v) for k, v in SCHEMA.items()}
-    for k in ("episode", "step", "j"):
-        cols[k] = ColumnSpec(dtype=pl.Int64, min=0)
-    return FrameSpec(cols, min_rows=1)
-
+from stages.early_experience.experience import SCHEMA, explore_state, reflection
 
 class Config(BaseModel):
     model_config = ConfigDict(extra="forbid")

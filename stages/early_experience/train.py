@@ -40,8 +40,8 @@ from stages.agents.trajectories import read_rollouts
 from stages.core import io
 from stages.core.checks import read_parquet_checked
 from stages.core.pool import map_jobs
-from stages.early_experience.experience import dpo_pairs, iwm_examples, sr_examples
-from stages.early_experience.explore import experience_spec
+from stages.early_experience.experience import (dpo_pairs, experience_spec, iwm_examples,
+                                                sr_examples)
 
 ARMS = ("il", "iwm", "sr", "dpo")
 CHARS = set(string.printable) - set("\t\r\n\x0b\x0c")

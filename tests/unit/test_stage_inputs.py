@@ -96,8 +96,10 @@ INPUTS: dict[str, Callable[[], FrameSpec]] = {
                                                            "item_spec"),
     "early_experience/goals (experience, evaluate)": _attr("stages.early_experience.shop",
                                                            "goal_spec"),
-    "early_experience/experience (train)": _attr("stages.early_experience.explore",
-                                                 "experience_spec"),
+    "early_experience/experience (train, babyai_train)": _attr(
+        "stages.early_experience.experience", "experience_spec"),
+    "early_experience/babyai episodes (babyai_experience, babyai_evaluate)": _attr(
+        "stages.early_experience.babyai", "episode_spec"),
     "cotfsm/lm_train (train)": _attr("stages.cotfsm.traces", "trace_spec", "lm_train"),
     "cotfsm/problems (fit_fsm, steer_eval)": _attr("stages.cotfsm.traces", "trace_spec", "test"),
     "cotfsm/results (compare)": _attr("stages.cotfsm.compare", "results_spec"),
@@ -262,6 +264,7 @@ def test_every_reading_module_is_covered():
                "stages/plugmem/train.py", "stages/plugmem/structure.py",
                "stages/plugmem/memory.py", "stages/plugmem/answer.py",
                "stages/early_experience/shop.py", "stages/early_experience/train.py",
+               "stages/early_experience/babyai.py",
                "stages/refine_prover/train.py", "stages/refine_prover/compare.py",
                "stages/cotfsm/traces.py", "stages/cotfsm/compare.py",
                "stages/diffureason/task.py", "stages/diffureason/compare.py"} | set(INLINE)
