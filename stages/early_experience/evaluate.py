@@ -16,6 +16,7 @@ characters (room for the reflection an SR policy writes before its action).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
 import polars as pl
@@ -54,7 +55,9 @@ class Config(BaseModel):
     policy: BackendConfig = Field(description="`local`: the `train` folders; `openai`: "
                                   "a served model per policy, `model` with {setting}/{seed}")
     batch_size: int = Field(256, ge=1, le=65_536, description="episodes stepped together")
-    num_threads: int = Field(0, ge=0, le=256)
+    num_threads: int = Field(0, ge=0, le=256, description="torch threads (workers = 1)")
+    workers: int = Field(1, ge=1, le=64, description="policies played at once, one process "
+                         "(1 thread) each; greedy rollouts do not depend on it")
     world: Literal["shop", "babyai"] = Field("shop", description="the environment")
     source: str = Field("ee_shop", description="path key: the world stage's folder")
     policies: str = Field("ee_policies", description="path key: the trained policies")
@@ -63,67 +66,86 @@ class Config(BaseModel):
     out: str = Field("ee_runs", description="path key: rollouts and success table")
 
 
-def split_envs(cfg: Config, ctx: Any, split: str) -> list[Any]:
-    """Fresh environments of one split's goals / missions, in goal order."""
+def split_envs(cfg: Config, source: Any, split: str) -> list[Any]:
+    """Fresh environments of one split's goals / missions (from the world stage's folder
+    `source`), in goal order."""
     if cfg.world == "babyai":
-        return babyai.read_episodes(ctx.path(cfg.source))[split]
-    catalogue, goals = shop.read_shop(ctx.path(cfg.source))
+        return babyai.read_episodes(source)[split]
+    catalogue, goals = shop.read_shop(source)
     return shop.envs_for(catalogue, goals[split], split, cfg.max_results)
 
 
-def _agent(cfg: Config, ctx: Any, setting: str, seed: int) -> ModelAgent:
+def _agent(cfg: Config, root: Any, policies: Any, setting: str, seed: int) -> ModelAgent:
     bc = cfg.policy
     if bc.kind == "local":
-        path = ctx.path(cfg.policies) / setting / f"s{seed}"
+        path = Path(policies) / setting / f"s{seed}"
         return ModelAgent(make_backend(bc.model_copy(update={"model": str(path)}),
-                                       root=ctx.root), name=setting)
+                                       root=root), name=setting)
     name = bc.model.format(setting=setting, seed=seed)
-    return ModelAgent(make_backend(bc.model_copy(update={"model": name}), root=ctx.root),
+    return ModelAgent(make_backend(bc.model_copy(update={"model": name}), root=root),
                       name=setting)
 
 
-def run(cfg: Config, ctx: Any) -> dict[str, float]:
+def play(job: dict[str, Any]) -> dict[str, Any]:
+    """One policy (setting, seed) on the test and OOD goals: its rollout frames, success rows
+    and metrics. A plain function of plain data: `run` maps it over the policies in worker
+    processes (`stages.core.pool`); greedy rollouts depend on the policy and the goals only."""
     from stages.models import base
 
-    base.set_threads(cfg.num_threads)
-    split_envs(cfg, ctx, "test")          # the goals read and checked before any model loads
+    cfg, name, seed = Config.model_validate(job["cfg"]), job["setting"], job["seed"]
+    base.set_threads(job["threads"])
+    agent = _agent(cfg, job["root"], job["policies"], name, seed)
+    budget = Budget(max_steps=cfg.max_steps, max_new_tokens=cfg.max_new_tokens,
+                    max_failures=cfg.max_failures)
+    envs, ids = [], []
+    for split in ("test", "ood"):
+        fresh = split_envs(cfg, Path(job["source"]), split)
+        envs += fresh
+        ids += [f"{name}/s{seed}/{split}/{g}" for g in range(len(fresh))]
+    eps = run_episodes(envs, agent, budget, cfg.prompt, episode_ids=ids,
+                       batch_size=cfg.batch_size, seed=seed)
+    episodes, steps = to_frames(eps, name)
+    metrics: dict[str, float] = {}
+    rows = []
+    for split in ("test", "ood"):
+        mine = [e for e in eps if f"/{split}/" in e.episode_id]
+        rows += [{"setting": name, "seed": seed, "split": split,
+                  "goal": int(e.episode_id.rsplit("/", 1)[1]), "success": e.success}
+                 for e in mine]
+        metrics[f"success_{split}"] = sum(e.success for e in mine) / len(mine)
+    s = summarise(episodes)
+    metrics.update({k: s[k] for k in ("parse_failure_rate", "invalid_action_rate",
+                                      "mean_steps", "mean_gen_tokens")})
+    return {"episodes": episodes, "steps": steps, "rows": rows, "metrics": metrics}
+
+
+def run(cfg: Config, ctx: Any) -> dict[str, float]:
+    from stages.core.pool import map_jobs
+
+    source = ctx.path(cfg.source)
+    split_envs(cfg, source, "test")       # the goals read and checked before any model loads
     # the settings and seeds `train` trained (its section, the active profile applied)
     tcfg = TrainConfig.model_validate(section_for(ctx.params, cfg.train_section, ctx.profile,
                                                   "params.yaml"))
-    budget = Budget(max_steps=cfg.max_steps, max_new_tokens=cfg.max_new_tokens,
-                    max_failures=cfg.max_failures)
     out: dict[str, float] = {}
     all_eps, all_steps, rows = [], [], []
-    for name, arm, _, _ in settings(tcfg):
-        for seed in tcfg.seeds:
-            agent = _agent(cfg, ctx, name, seed)
-            envs, ids = [], []
-            for split in ("test", "ood"):
-                fresh = split_envs(cfg, ctx, split)
-                envs += fresh
-                ids += [f"{name}/s{seed}/{split}/{g}" for g in range(len(fresh))]
-            eps = run_episodes(envs, agent, budget, cfg.prompt, episode_ids=ids,
-                               batch_size=cfg.batch_size, seed=seed)
-            episodes, steps = to_frames(eps, name)
-            all_eps.append(episodes)
-            all_steps.append(steps)
-            metrics: dict[str, float] = {}
-            for split in ("test", "ood"):
-                mine = [e for e in eps if f"/{split}/" in e.episode_id]
-                rows += [{"setting": name, "seed": seed, "split": split,
-                          "goal": int(e.episode_id.rsplit("/", 1)[1]), "success": e.success}
-                         for e in mine]
-                metrics[f"success_{split}"] = sum(e.success for e in mine) / len(mine)
-            s = summarise(episodes)
-            metrics.update({k: s[k] for k in ("parse_failure_rate", "invalid_action_rate",
-                                              "mean_steps", "mean_gen_tokens")})
-            for k, v in metrics.items():
-                out[f"{name}/s{seed}/{k}"] = v
-            if name == arm:     # the main setting: one MLflow run per (arm, seed)
-                params = {"arm": arm, "seed": seed, "updates": tcfg.steps, "k": tcfg.k,
-                          "reflections": "templated" if arm == "sr" else "none"}
-                with ctx.method_run(ctx.stage, arm, seed, params=params) as run_:
-                    run_.log_metrics(metrics)
+    played = [(name, arm, seed) for name, arm, _, _ in settings(tcfg) for seed in tcfg.seeds]
+    jobs = [{"cfg": cfg.model_dump(), "setting": name, "seed": seed, "root": str(ctx.root),
+             "source": str(source), "policies": str(ctx.path(cfg.policies)),
+             "threads": cfg.num_threads if cfg.workers == 1 else 1}
+            for name, _, seed in played]
+    for (name, arm, seed), res in zip(played, map_jobs(play, jobs, cfg.workers), strict=True):
+        all_eps.append(res["episodes"])
+        all_steps.append(res["steps"])
+        rows += res["rows"]
+        metrics = res["metrics"]
+        for k, v in metrics.items():
+            out[f"{name}/s{seed}/{k}"] = v
+        if name == arm:     # the main setting: one MLflow run per (arm, seed)
+            params = {"arm": arm, "seed": seed, "updates": tcfg.steps, "k": tcfg.k,
+                      "reflections": "templated" if arm == "sr" else "none"}
+            with ctx.method_run(ctx.stage, arm, seed, params=params) as run_:
+                run_.log_metrics(metrics)
     with io.atomic_path(ctx.path(cfg.out), is_dir=True) as tmp:
         write_rollouts(tmp / "rollouts", pl.concat(all_eps), pl.concat(all_steps))
         pl.DataFrame(rows, schema=SUCCESS_SCHEMA).write_parquet(tmp / "success.parquet")
