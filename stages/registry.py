@@ -313,7 +313,8 @@ PAPERS: dict[str, dict[str, str]] = {
     "early_experience": {"paper": "Early Experience, arXiv 2510.08558",
                          "compares": "implicit world modelling and (templated) self-reflection "
                                      "from one-step alternatives vs imitation and DPO at equal "
-                                     "updates, tiny Llama agents on a text mini-WebShop"},
+                                     "updates, tiny Llama agents on a text mini-WebShop and on "
+                                     "BabyAI (minigrid) behind a text wrapper"},
     "refine_prover": {"paper": "Refine-Prover, arXiv 2604.18587",
                       "compares": "feedback-conditioned proof repair trees (random, value-guided) "
                                   "vs i.i.d. sampling, long-history and untrained refiners at "
