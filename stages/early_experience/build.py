@@ -13,7 +13,7 @@ a train goal are redrawn (in-domain means the same categories, not the same goal
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -49,27 +49,37 @@ def draw_goals(cfg: Config, catalogue: list[shop.Item]) -> dict[str, list[shop.G
     return {"train": train, "test": test, "ood": ood}
 
 
+def demos_and_bounds(folder: Any, envs: Callable[[str], list[Any]], expert: Callable[[], Any],
+                     budget: Budget, prompt: PromptFormat) -> dict[str, float]:
+    """The expert's rollouts on the train goals (written to `folder/expert`, D_expert) and the
+    expert (ceiling) and a uniform-random agent (floor) on the test and OOD goals; `envs(split)`
+    gives fresh environments of a split, `expert()` a fresh expert agent. Shared by the
+    mini-WebShop's `shop` stage and BabyAI's `babyai` stage."""
+    train = envs("train")
+    eps = run_episodes(train, expert(), budget, prompt,
+                       episode_ids=[f"train/{i}" for i in range(len(train))])
+    episodes, steps = to_frames(eps, "expert")
+    write_rollouts(folder / "expert", episodes, steps)
+    out = {"demos": float(episodes.height), "demo_turns": float(steps.height),
+           "demo_success": summarise(episodes)["success_rate"]}
+    for split in ("test", "ood"):
+        for name, agent in (("expert", expert()), ("random", random_agent(0))):
+            fresh = envs(split)
+            eps = run_episodes(fresh, agent, budget, prompt,
+                               episode_ids=[f"{split}/{i}" for i in range(len(fresh))])
+            out[f"{name}/{split}/success"] = sum(e.success for e in eps) / len(eps)
+    return out
+
+
 def run(cfg: Config, ctx: Any) -> dict[str, float]:
     catalogue = shop.make_catalogue(cfg.catalogue_seed, cfg.per_pair)
     goals = draw_goals(cfg, catalogue)
-    budget = Budget(max_steps=cfg.max_steps)
     out: dict[str, float] = {"items": float(len(catalogue))}
     with io.atomic_path(ctx.path("ee_shop"), is_dir=True) as tmp:
         shop.write_shop(tmp, catalogue, goals)
-        envs = shop.envs_for(catalogue, goals["train"], "train", cfg.max_results)
-        eps = run_episodes(envs, shop.expert_agent(), budget, cfg.prompt,
-                           episode_ids=[f"train/{i}" for i in range(len(envs))])
-        episodes, steps = to_frames(eps, "expert")
-        write_rollouts(tmp / "expert", episodes, steps)
-        out["demos"] = float(episodes.height)
-        out["demo_turns"] = float(steps.height)
-        out["demo_success"] = summarise(episodes)["success_rate"]
-        for split in ("test", "ood"):
-            for name, agent in (("expert", shop.expert_agent()), ("random", random_agent(0))):
-                envs = shop.envs_for(catalogue, goals[split], split, cfg.max_results)
-                eps = run_episodes(envs, agent, budget, cfg.prompt,
-                                   episode_ids=[f"{split}/{i}" for i in range(len(envs))])
-                out[f"{name}/{split}/success"] = sum(e.success for e in eps) / len(eps)
+        out.update(demos_and_bounds(
+            tmp, lambda split: shop.envs_for(catalogue, goals[split], split, cfg.max_results),
+            shop.expert_agent, Budget(max_steps=cfg.max_steps), cfg.prompt))
     return out
 
 

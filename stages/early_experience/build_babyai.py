@@ -20,10 +20,10 @@ import polars as pl
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from stages.agents.react import PromptFormat
-from stages.agents.rollout import Budget, random_agent, run_episodes
-from stages.agents.trajectories import summarise, to_frames, write_rollouts
+from stages.agents.rollout import Budget
 from stages.core import io
 from stages.early_experience import babyai
+from stages.early_experience.build import demos_and_bounds
 
 
 class Config(BaseModel):
@@ -64,26 +64,12 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     rows = [{"split": split, "episode": i, "level": cfg.level, "seed": seed, "mission": m,
              "target": m.split()[-1]}
             for split, got in draws.items() for i, (seed, m) in enumerate(got)]
-    budget = Budget(max_steps=cfg.max_steps)
-    out: dict[str, float] = {}
     with io.atomic_path(ctx.path("ee_babyai"), is_dir=True) as tmp:
         io.write_parquet(tmp / "episodes.parquet", pl.DataFrame(
             rows, schema={k: getattr(pl, v) for k, v in babyai.EPISODE_SCHEMA.items()}))
-        envs = babyai.read_episodes(tmp)
-        eps = run_episodes(envs["train"], babyai.expert_agent(), budget, cfg.prompt,
-                           episode_ids=[f"train/{i}" for i in range(len(envs["train"]))])
-        episodes, steps = to_frames(eps, "expert")
-        write_rollouts(tmp / "expert", episodes, steps)
-        out["demos"] = float(episodes.height)
-        out["demo_turns"] = float(steps.height)
-        out["demo_success"] = summarise(episodes)["success_rate"]
-        for split in ("test", "ood"):
-            for name, agent in (("expert", babyai.expert_agent()), ("random", random_agent(0))):
-                fresh = babyai.read_episodes(tmp)[split]
-                eps = run_episodes(fresh, agent, budget, cfg.prompt,
-                                   episode_ids=[f"{split}/{i}" for i in range(len(fresh))])
-                out[f"{name}/{split}/success"] = sum(e.success for e in eps) / len(eps)
-    return out
+        return demos_and_bounds(tmp, lambda split: babyai.read_episodes(tmp)[split],
+                                babyai.expert_agent, Budget(max_steps=cfg.max_steps),
+                                cfg.prompt)
 
 
 def headline(details: dict[str, float]) -> dict[str, float]:
