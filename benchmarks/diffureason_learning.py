@@ -1,6 +1,7 @@
 """Does the tiny diffusion LM learn DiffuReason's `cpu` task, and does its AR twin?
 
     .venv/bin/python benchmarks/diffureason_learning.py [--steps 250 1000] [--seeds 0 1]
+        [--arch bert|llama] [--t-min 0.0] [--train-rows 3000] [--no-ar]
 
 Trains both models of `pipelines/diffureason` (the `cpu` profile's task and model: single
 digits mod 10, + and -, 2-4 steps; d = 64, 2 layers, lr 3e-3, batch 64) at each step count,
@@ -16,6 +17,13 @@ the step's arithmetic), `operand` (any other digit), `symbol` (operators, `=`, `
 `eos`. In the task's format a step's result is also the next step's first operand and the
 final answer, so a model can score 1.0 on `result` by copying from either side without
 knowing any arithmetic; compare it with greedy accuracy, where the right side is masked.
+`first result, all masked`: the first step's result digit predicted with the whole response
+masked (prompt only: nothing to copy from), the arithmetic alone.
+
+`--arch llama` trains LLaDA's own block (the AR twin's Llama block without the causal mask,
+transformers' EuroBERT class) instead of BERT; `--t-min` draws the mask ratio from
+[t_min, 1] instead of (0, 1] (1: every response token masked on every row; not LLaDA, a
+diagnostic of what the mixture of mask ratios costs); `--train-rows` the train split's size.
 """
 
 from __future__ import annotations
@@ -41,10 +49,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, nargs="+", default=[250, 1000])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--arch", choices=["bert", "llama"], default="bert")
+    ap.add_argument("--t-min", type=float, default=0.0)
+    ap.add_argument("--train-rows", type=int, default=3000)
+    ap.add_argument("--no-ar", action="store_true", help="diffusion LM only")
     args = ap.parse_args()
     torch.set_num_threads(1)
     cfg = T.Config(modulus=10, operators="+-", min_steps=2, max_steps=4, block_size=8,
-                   sizes={"test": 60, "val": 50, "train": 3000})
+                   sizes={"test": 60, "val": 50, "train": args.train_rows})
     rows, tok = T.generate(cfg, 0), T.build_tokenizer()
     meta = {"prompt_len": cfg.prompt_len, "response_len": cfg.response_len,
             "block_size": cfg.block_size, "n_blocks": cfg.n_blocks, "modulus": cfg.modulus}
@@ -53,27 +65,31 @@ def main() -> None:
     prompts, gold = [r["prompt"] for r in val], [r["answer"] for r in val]
     x_train = encode_rows(tok, [r["prompt"] for r in train], [r["response"] for r in train], meta)
     x_val = encode_rows(tok, prompts, [r["response"] for r in val], meta)
-    size = mdlm.Config(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128,
+    size = mdlm.Config(arch=args.arch, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128,
                        max_positions=64)
     print(f"first validation problem: {val[0]['prompt']} -> {val[0]['response']}")
+    print(f"arch {args.arch}, t ~ U({args.t_min}, 1], {len(train)} train rows")
     print("| model | seed | steps | train loss | val greedy acc | probe: result / operand / "
-          "symbol / eos | first problem decoded | s |")
-    print("|---|---|---|---|---|---|---|---|")
+          "symbol / eos | first result, all masked | first problem decoded | s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for steps in args.steps:
         for seed in args.seeds:
             set_seed(seed)
             t0 = time.time()
             diff = mdlm.build_mdlm(size, tok)
             got = mdlm.train_mdlm(diff, x_train, cfg.prompt_len, tok.mask_token_id, steps=steps,
-                                  batch_size=64, lr=3e-3, seed=seed)
+                                  batch_size=64, lr=3e-3, seed=seed, t_min=args.t_min)
             dec = S.Decoder(diff, tok, meta, seed=seed)
             x = dec.vanilla(prompts, steps=cfg.block_size // 2)
             kinds = probe(diff, tok, x_val, [r["response"] for r in val], cfg.prompt_len)
             print(f"| diffusion | {seed} | {steps} | {got['train_loss']:.3f} | "
                   f"{S.accuracy(dec, x, gold):.2f} | "
                   f"{' / '.join(f'{kinds[k]:.2f}' for k in ('result', 'operand', 'symbol', 'eos'))}"
+                  f" | {first_result(diff, tok, x_val, val, cfg.prompt_len):.2f}"
                   f" | `{dec.response(x[0])}` | "
                   f"{time.time() - t0:.0f} |", flush=True)
+            if args.no_ar:
+                continue
             set_seed(seed)
             t0 = time.time()
             ar = mdlm.build_ar_twin(size, tok)
@@ -84,7 +100,7 @@ def main() -> None:
             ar.generation_config.eos_token_id = tok.eos_token_id
             x = S.ARDecoder(ar, tok, meta, seed=seed).greedy(prompts)
             print(f"| AR twin | {seed} | {steps} | {float(got['train_loss']):.3f} | "
-                  f"{S.accuracy(dec, x, gold):.2f} | - | `{dec.response(x[0])}` | "
+                  f"{S.accuracy(dec, x, gold):.2f} | - | - | `{dec.response(x[0])}` | "
                   f"{time.time() - t0:.0f} |", flush=True)
 
 
@@ -95,6 +111,20 @@ def kind_of(response: str, j: int) -> str:
     if not response[j].isdigit():
         return "symbol"
     return "result" if j > 0 and response[j - 1] in "=#" else "operand"
+
+
+def first_result(model, tok, x_val, val: list[dict], prompt_len: int) -> float:
+    """The first step's result digit with the whole response masked (module docstring)."""
+    import torch
+
+    x = x_val.clone()
+    x[:, prompt_len:] = tok.mask_token_id
+    pos = [r["response"].index("=") + 1 for r in val]
+    with torch.no_grad():
+        logits = model(input_ids=x, attention_mask=(x != tok.pad_token_id).long()).logits
+    pred = torch.stack([logits[i, prompt_len + p].argmax() for i, p in enumerate(pos)])
+    gold = torch.stack([x_val[i, prompt_len + p] for i, p in enumerate(pos)])
+    return float((pred == gold).float().mean())
 
 
 def probe(model, tok, x_val, responses: list[str], prompt_len: int) -> dict[str, float]:

@@ -58,10 +58,12 @@ class Config(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    arch: Literal["bert", "modernbert"] = Field(
-        "bert", description="bidirectional HF class: ModernBERT (pre-norm, rotary "
-                                  "positions, GeGLU: the Llama-style block LLaDA uses, without "
-                                  "the causal mask) or the original post-norm BERT")
+    arch: Literal["bert", "llama", "modernbert"] = Field(
+        "bert", description="bidirectional HF class: `llama` = EuroBERT (transformers' "
+                             "EuroBertForMaskedLM: the Llama block, RMSNorm + RoPE + SwiGLU, "
+                             "without the causal mask: LLaDA's architecture, and the AR twin's "
+                             "block exactly); `bert`: the original post-norm BERT (learned "
+                             "absolute positions); `modernbert`: pre-norm, RoPE, GeGLU")
     hidden_size: int = Field(128, ge=16, le=8192, description="width d [spec: 128]")
     num_layers: int = Field(4, ge=1, le=64, description="layers [spec: 4]")
     num_heads: int = Field(4, ge=1, le=64, description="attention heads")
@@ -80,14 +82,27 @@ def add_mask_token(tokenizer: Any) -> int:
 
 def build_mdlm(cfg: Config, tokenizer: Any) -> Any:
     """A fresh bidirectional `BertForMaskedLM` over `tokenizer` (which must have `<mask>`)."""
-    from transformers import (BertConfig, BertForMaskedLM, ModernBertConfig,
-                              ModernBertForMaskedLM)
+    from transformers import (BertConfig, BertForMaskedLM, EuroBertConfig, EuroBertForMaskedLM,
+                              ModernBertConfig, ModernBertForMaskedLM)
 
     if tokenizer.mask_token_id is None:
         raise ValueError("build_mdlm: the tokenizer has no mask token; call add_mask_token")
     if cfg.hidden_size % cfg.num_heads:
         raise ValueError(f"hidden_size {cfg.hidden_size} is not a multiple of num_heads "
                          f"{cfg.num_heads}")
+    if cfg.arch == "llama":
+        # The AR twin's LlamaConfig (stages.models.base.build_model) field for field, with
+        # bidirectional attention: the only difference between the two models is the mask.
+        config = EuroBertConfig(
+            vocab_size=len(tokenizer), hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+            num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_heads,
+            max_position_embeddings=cfg.max_positions, rope_parameters={
+                "rope_type": "default", "rope_theta": 10000.0},
+            tie_word_embeddings=True, attention_dropout=0.0, pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+            mask_token_id=tokenizer.mask_token_id, attn_implementation="sdpa")
+        return EuroBertForMaskedLM(config)
     if cfg.arch == "modernbert":
         # every layer global (a window as long as the context): a block attends to all of it
         config = ModernBertConfig(
@@ -192,12 +207,14 @@ def llada_loss(logits: Any, x0: Any, masked: Any, t: Any, response_len: int) -> 
 
 def train_mdlm(model: Any, rows: Any, prompt_len: int, mask_id: int, *, steps: int,
                batch_size: int, lr: float, seed: int, warmup: float = 0.05,
-               min_lr_ratio: float = 0.1, eps: float = 1e-3,
+               min_lr_ratio: float = 0.1, eps: float = 1e-3, t_min: float = 0.0,
                log: Callable[[dict[str, float], int], None] | None = None,
                log_every: int = 50) -> dict[str, float]:
     """Train `model` in place on fixed-length rows (LongTensor (N, S)) with the LLaDA
     objective: AdamW (beta2 0.98), linear warm-up then cosine decay to `lr * min_lr_ratio`,
-    gradient clipping at 1. t ~ U(eps, 1] keeps 1/t finite."""
+    gradient clipping at 1. t ~ U(eps, 1] keeps 1/t finite. `t_min` > 0 (a diagnostic, not
+    LLaDA: benchmarks/diffureason_learning.py) draws t from [t_min, 1] instead, the same t in
+    the mask and in the 1/t weight; 1 masks every response token."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
@@ -221,6 +238,8 @@ def train_mdlm(model: Any, rows: Any, prompt_len: int, mask_id: int, *, steps: i
         idx = torch.randint(0, n, (batch_size,), generator=gen)
         x0, a = rows[idx], attn[idx]
         t = eps + (1 - eps) * torch.rand(batch_size, generator=gen)
+        if t_min > 0:
+            t = t_min + (1 - t_min) * t
         xt, masked = llada_mask(x0, response.expand_as(x0), t, mask_id, gen)
         logits = model(input_ids=xt, attention_mask=a).logits
         loss = llada_loss(logits, x0, masked, t, response_len)

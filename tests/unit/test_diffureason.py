@@ -190,3 +190,27 @@ def test_auc_hand_values():
     assert S.auc([0.5, 0.5], [False, True]) == 0.5
     assert S.auc([0.9, 0.1, 0.5], [False, True, True]) == 0.0
     assert math.isnan(S.auc([0.1], [True]))
+
+
+def test_llama_arch_is_the_ar_twins_block_without_the_causal_mask(tok, tmp_path):
+    """`arch: llama` (EuroBERT's class): the AR twin's parameters one for one, but a later token
+    moves an earlier prediction; it saves and reloads with AutoModelForMaskedLM."""
+    from stages.core import io
+
+    cfg = SMALL.model_copy(update={"arch": "llama"})
+    torch.manual_seed(0)
+    diff = mdlm.build_mdlm(cfg, tok).eval()
+    ar = mdlm.build_ar_twin(cfg, tok)
+    assert ({k: tuple(v.shape) for k, v in diff.model.state_dict().items()}
+            == {k: tuple(v.shape) for k, v in ar.model.state_dict().items()})
+    row = torch.tensor([mdlm.encode(tok, "1+2=", "1+2=3;#3", 9, 24)])
+    later = row.clone()
+    later[0, 9 + 6] = tok.convert_tokens_to_ids("7")
+    with torch.no_grad():
+        a, b = diff(input_ids=row).logits[0, 10], diff(input_ids=later).logits[0, 10]
+    assert (a - b).abs().max() > 1e-4
+    io.save_model(diff, tok, tmp_path / "m")
+    loaded, _ = mdlm.load_mdlm(tmp_path / "m")
+    assert type(loaded).__name__ == "EuroBertForMaskedLM"
+    with torch.no_grad():
+        assert torch.allclose(loaded(input_ids=row).logits, diff(input_ids=row).logits)
