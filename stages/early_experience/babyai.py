@@ -53,6 +53,17 @@ def _quiet(fn: Any, *args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs)
 
 
+def check_level(level: str, where: str) -> None:
+    """A registered BabyAI GoTo level, or a ValueError naming `where` it came from (the wrapper
+    reads one target object from a GoTo mission; other levels' missions it cannot read)."""
+    import gymnasium as gym
+    import minigrid  # noqa: F401  (registers the BabyAI levels)
+
+    if level not in gym.envs.registry or not level.startswith("BabyAI-GoTo"):
+        raise ValueError(f"{where}: level {level!r} is not a registered BabyAI GoTo level (the "
+                         "wrapper reads one target object from the mission)")
+
+
 def make_level(level: str, seed: int) -> Any:
     """The unwrapped minigrid env of `level`, reset with `seed` (the same layout and mission
     for the same pair)."""
@@ -241,7 +252,10 @@ def read_episodes(folder: Any) -> dict[str, list[BabyAIEnv]]:
     """The environments of every split, through the checked read of `episodes.parquet`."""
     from stages.core.checks import read_parquet_checked
 
-    df = read_parquet_checked(folder / "episodes.parquet", episode_spec())
+    path = folder / "episodes.parquet"
+    df = read_parquet_checked(path, episode_spec())
+    for level in df["level"].unique().sort():     # before any episode is played
+        check_level(level, str(path))
     out: dict[str, list[BabyAIEnv]] = {s: [] for s in SPLITS}
     for r in df.sort("split", "episode").iter_rows(named=True):
         out[r["split"]].append(BabyAIEnv(r["level"], r["seed"]))

@@ -41,12 +41,7 @@ class Config(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "Config":
-        import gymnasium as gym
-        import minigrid  # noqa: F401
-
-        if self.level not in gym.envs.registry or not self.level.startswith("BabyAI-GoTo"):
-            raise ValueError(f"babyai.level {self.level!r}: not a registered BabyAI GoTo level "
-                             "(the wrapper reads one target object from the mission)")
+        babyai.check_level(self.level, "babyai.level")
         starts = sorted([(self.train_start, self.n_train), (self.test_start, self.n_test),
                          (self.ood_start, self.n_ood)])
         for (a, n), (b, _) in zip(starts, starts[1:]):

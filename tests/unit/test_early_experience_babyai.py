@@ -156,6 +156,13 @@ def test_episodes_round_trip_and_bad_level_rejected(tmp_path: Path, seeds):
     pl.DataFrame(rows, schema=schema).write_parquet(tmp_path / "episodes.parquet")
     with pytest.raises(DataValidationError, match="target"):
         babyai.read_episodes(tmp_path)
+    rows[0]["target"] = rows[1]["target"] = "ball"
+    rows[0]["mission"] = rows[1]["mission"] = "go to the red ball"
+    rows[1]["level"] = "BabyAI-NoSuchLevel-v0"      # a tampered table: named before any play
+    pl.DataFrame(rows, schema=schema).write_parquet(tmp_path / "episodes.parquet")
+    with pytest.raises(ValueError, match="episodes.parquet: level 'BabyAI-NoSuchLevel-v0' is "
+                                         "not a registered BabyAI GoTo level"):
+        babyai.read_episodes(tmp_path)
     fmt = {"sep": " | ", "window": 0}
     for level in ("BabyAI-NoSuchLevel-v0", "BabyAI-OpenDoor-v0"):   # unknown; not a GoTo
         with pytest.raises(ValueError, match="not a registered BabyAI GoTo level"):
