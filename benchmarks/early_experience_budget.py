@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/early_experience_budget.py --steps 300 1000 --seeds 0
     .venv/bin/python benchmarks/early_experience_budget.py --world babyai --steps 250 500
+    .venv/bin/python benchmarks/early_experience_budget.py --arm dpo --dpo-lr 1e-3 1e-4 1e-5
 
 A diagnostic behind the `cpu` profile's update budget (`pipelines/early_experience/params.yaml`,
 `train.steps`), chosen WITHOUT the test or OOD goals: the IL policy (the pipeline's `train_one`
@@ -12,7 +13,9 @@ train or test goal. Prints the success rate, the parse-failure rate and the trai
 Needs the pipeline's `shop` stage output (`paperline repro early_experience` first). With
 `--world babyai`: the `babyai_train` / `babyai_evaluate` sections, the `babyai` stage's
 demonstrations, and validation missions from level seeds of their own (`BABYAI_VAL_START`, a
-ball or a box as the target like train and test, none of their seeds).
+ball or a box as the target like train and test, none of their seeds). With `--arm dpo`: the
+DPO arm instead (IL, then DPO on the experience stage's expert-vs-alternative pairs, as the
+pipeline's `train`), once per `--dpo-lr` (the DPO phase's peak learning rate).
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--n-val", type=int, default=100)
     ap.add_argument("--world", choices=["shop", "babyai"], default="shop")
+    ap.add_argument("--arm", choices=["il", "dpo"], default="il")
+    ap.add_argument("--dpo-lr", type=float, nargs="+", default=[None])
     args = ap.parse_args()
     root_params, params, source = load_params(ROOT, "early_experience")
     profile = root_params.get("profile", "cpu")
@@ -69,28 +74,47 @@ def main() -> None:
             return shop.envs_for(catalogue, val, "val", ecfg.max_results)
     episodes, steps = read_rollouts(data / "expert")
     il = il_examples(episodes, steps)
+    train_data: dict = {"il": il}
+    if args.arm == "dpo":
+        import polars as pl
+
+        from stages.core.checks import read_parquet_checked
+        from stages.early_experience.experience import dpo_pairs, experience_spec
+
+        import yaml
+
+        folder = ROOT / "pipelines/early_experience"
+        paths = yaml.safe_load((folder / "params.yaml").read_text())["paths"]
+        exp = read_parquet_checked(folder / paths[tcfg.experience], experience_spec())
+        ok = sorted(int(s.split("/")[1]) for s in
+                    episodes.filter(pl.col("success"))["episode_id"].to_list())
+        train_data["dpo"] = dpo_pairs(exp.filter(pl.col("episode").is_in(ok)).to_dicts(),
+                                      tcfg.prompt, tcfg.k)
     budget = Budget(max_steps=ecfg.max_steps, max_new_tokens=ecfg.max_new_tokens,
                     max_failures=ecfg.max_failures)
-    print(f"profile {profile}, {args.world}: IL on {len(il[0])} expert turns, {args.n_val} "
-          "validation goals (none a train or test goal)")
-    print("| updates | seed | train loss | val success | parse failures / turn | train s |")
-    print("|---|---|---|---|---|---|")
-    for n in args.steps:
-        for seed in args.seeds:
-            with tempfile.TemporaryDirectory() as tmp:
-                cfg = tcfg.model_copy(update={"steps": n})
-                m = train_one({"cfg": cfg.model_dump(), "arm": "il", "seed": seed,
-                               "data": {"il": il}, "out": str(Path(tmp) / "il"),
-                               "threads": 1})
-                agent = ModelAgent(make_backend(ecfg.policy.model_copy(
-                    update={"model": str(Path(tmp) / "il")}), root=ROOT), name="il")
-                envs = val_envs()
-                eps = run_episodes(envs, agent, budget, ecfg.prompt,
-                                   episode_ids=[f"val/{i}" for i in range(len(envs))],
-                                   batch_size=ecfg.batch_size, seed=seed)
-            s = summarise(to_frames(eps, "il")[0])
-            print(f"| {n} | {seed} | {m['train_loss']:.3f} | {s['success_rate']:.3f} | "
-                  f"{s['parse_failure_rate']:.3f} | {m['train_seconds']:.0f} |", flush=True)
+    print(f"profile {profile}, {args.world}: {args.arm} on {len(il[0])} expert turns, "
+          f"{args.n_val} validation goals (none a train or test goal)")
+    print("| arm | updates | DPO lr | seed | train loss | val success | parse failures / turn "
+          "| train s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for n, dpo_lr, seed in [(n, d, s) for n in args.steps for d in args.dpo_lr
+                            for s in args.seeds]:
+        with tempfile.TemporaryDirectory() as tmp:
+            cfg = tcfg.model_copy(update={"steps": n, "dpo_lr": dpo_lr or tcfg.dpo_lr})
+            m = train_one({"cfg": cfg.model_dump(), "arm": args.arm, "seed": seed,
+                           "data": train_data, "out": str(Path(tmp) / "il"),
+                           "threads": 1})
+            agent = ModelAgent(make_backend(ecfg.policy.model_copy(
+                update={"model": str(Path(tmp) / "il")}), root=ROOT), name="il")
+            envs = val_envs()
+            eps = run_episodes(envs, agent, budget, ecfg.prompt,
+                               episode_ids=[f"val/{i}" for i in range(len(envs))],
+                               batch_size=ecfg.batch_size, seed=seed)
+        s = summarise(to_frames(eps, "il")[0])
+        lr_shown = "-" if args.arm == "il" else f"{cfg.dpo_lr or cfg.lr / 3:g}"
+        print(f"| {args.arm} | {n} | {lr_shown} | {seed} | {m['train_loss']:.3f} | "
+              f"{s['success_rate']:.3f} | "
+              f"{s['parse_failure_rate']:.3f} | {m['train_seconds']:.0f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -61,6 +61,8 @@ class Config(BaseModel):
     iwm_share: float = Field(0.5, gt=0, lt=1, description="share of the updates on L_IWM")
     dpo_share: float = Field(0.25, gt=0, lt=1, description="share of the updates on DPO")
     dpo_beta: float = Field(0.1, gt=0, le=10)
+    dpo_lr: float | None = Field(None, gt=0, le=1.0, description="peak learning rate of the "
+                                 "DPO phase (None: lr / 3)")
     fractions: list[float] = Field(default_factory=list, description="extra settings: every "
                                    "arm on this fraction of the demonstrations")
     k_sweep: list[int] = Field(default_factory=list, description="extra settings: iwm and sr "
@@ -218,7 +220,8 @@ def train_one(job: dict[str, Any]) -> dict[str, float]:
         n1, n2 = split_updates(cfg.steps, 1 - cfg.dpo_share)
         m = sft(model, tokenizer, il_p, il_t, steps=n1, **common)
         m.update(train_dpo(model, tokenizer, *data["dpo"], steps=n2, batch_size=cfg.batch_size,
-                           lr=cfg.lr / 3, beta=cfg.dpo_beta, seed=seed,
+                           lr=cfg.lr / 3 if cfg.dpo_lr is None else cfg.dpo_lr,
+                           beta=cfg.dpo_beta, seed=seed,
                            min_lr_ratio=cfg.min_lr_ratio))
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
