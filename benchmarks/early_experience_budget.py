@@ -51,6 +51,8 @@ def main() -> None:
     ap.add_argument("--arm", choices=["il", "dpo"], default="il")
     ap.add_argument("--dpo-lr", type=float, nargs="+", default=[None])
     args = ap.parse_args()
+    if args.arm == "il" and args.dpo_lr != [None]:
+        ap.error("--dpo-lr goes with --arm dpo (IL has no DPO phase)")
     root_params, params, source = load_params(ROOT, "early_experience")
     profile = root_params.get("profile", "cpu")
     pre = "babyai_" if args.world == "babyai" else ""

@@ -5,8 +5,10 @@ Model. A Hugging Face `BertForMaskedLM` built from a `BertConfig` (bidirectional
 every position sees every other one, later tokens included; no causal mask), saved with
 `save_pretrained` (safetensors) and loaded with `AutoModelForMaskedLM.from_pretrained`, like
 LLaDA-8B (Nie et al., "Large Language Diffusion Models", arXiv 2502.09992), which is a
-Transformer without the causal mask. Its tokenizer is the house character tokenizer
-(`stages.models.tokenizer.build_tokenizer`) plus a `<mask>` token.
+Transformer without the causal mask. `Config.arch: llama` builds that block itself (the
+Llama block, bidirectional: transformers' `EuroBertForMaskedLM`); the pipeline's default is
+BERT (pipelines/diffureason/README.md compares the two). Its tokenizer is the house character
+tokenizer (`stages.models.tokenizer.build_tokenizer`) plus a `<mask>` token.
 
 Layout of a sequence (fixed length, so a response position is the same position everywhere):
 
@@ -81,7 +83,8 @@ def add_mask_token(tokenizer: Any) -> int:
 
 
 def build_mdlm(cfg: Config, tokenizer: Any) -> Any:
-    """A fresh bidirectional `BertForMaskedLM` over `tokenizer` (which must have `<mask>`)."""
+    """A fresh bidirectional masked LM over `tokenizer` (which must have `<mask>`):
+    `BertForMaskedLM`, `EuroBertForMaskedLM` (arch `llama`) or `ModernBertForMaskedLM`."""
     from transformers import (BertConfig, BertForMaskedLM, EuroBertConfig, EuroBertForMaskedLM,
                               ModernBertConfig, ModernBertForMaskedLM)
 
@@ -91,8 +94,9 @@ def build_mdlm(cfg: Config, tokenizer: Any) -> Any:
         raise ValueError(f"hidden_size {cfg.hidden_size} is not a multiple of num_heads "
                          f"{cfg.num_heads}")
     if cfg.arch == "llama":
-        # The AR twin's LlamaConfig (stages.models.base.build_model) field for field, with
-        # bidirectional attention: the only difference between the two models is the mask.
+        # The AR twin's sizes and RoPE (stages.models.base.build_model) with bidirectional
+        # attention: the same parameters one for one; EuroBERT's RMSNorm epsilon (1e-5) is
+        # left as it is (Llama's default is 1e-6; benchmarks/diffureason_learning.py ran so).
         config = EuroBertConfig(
             vocab_size=len(tokenizer), hidden_size=cfg.hidden_size,
             intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
