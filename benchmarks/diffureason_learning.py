@@ -52,6 +52,7 @@ def main() -> None:
     ap.add_argument("--arch", choices=["bert", "llama"], default="bert")
     ap.add_argument("--t-min", type=float, default=0.0)
     ap.add_argument("--train-rows", type=int, default=3000)
+    ap.add_argument("--schedule", choices=["llada", "block"], default="llada")
     ap.add_argument("--no-ar", action="store_true", help="diffusion LM only")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -68,7 +69,8 @@ def main() -> None:
     size = mdlm.Config(arch=args.arch, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128,
                        max_positions=64)
     print(f"first validation problem: {val[0]['prompt']} -> {val[0]['response']}")
-    print(f"arch {args.arch}, t ~ U({args.t_min}, 1], {len(train)} train rows")
+    print(f"arch {args.arch}, t ~ U({args.t_min}, 1], schedule {args.schedule}, "
+          f"{len(train)} train rows")
     print("| model | seed | steps | train loss | val greedy acc | probe: result / operand / "
           "symbol / eos | first result, all masked | first problem decoded | s |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -78,7 +80,8 @@ def main() -> None:
             t0 = time.time()
             diff = mdlm.build_mdlm(size, tok)
             got = mdlm.train_mdlm(diff, x_train, cfg.prompt_len, tok.mask_token_id, steps=steps,
-                                  batch_size=64, lr=3e-3, seed=seed, t_min=args.t_min)
+                                  batch_size=64, lr=3e-3, seed=seed, t_min=args.t_min,
+                                  schedule=args.schedule, block_size=cfg.block_size)
             dec = S.Decoder(diff, tok, meta, seed=seed)
             x = dec.vanilla(prompts, steps=cfg.block_size // 2)
             kinds = probe(diff, tok, x_val, [r["response"] for r in val], cfg.prompt_len)

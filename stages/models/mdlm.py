@@ -199,27 +199,58 @@ def llada_mask(x0: Any, response: Any, t: Any, mask_id: int, generator: Any) -> 
     return torch.where(masked, torch.full_like(x0, mask_id), x0), masked
 
 
-def llada_loss(logits: Any, x0: Any, masked: Any, t: Any, response_len: int) -> Any:
-    """(1/B) sum_rows (1/t) * sum_{masked i} CE(logits_i, x0_i) / L  (module docstring)."""
+def block_mask(x0: Any, prompt_len: int, block_size: int, t: Any, mask_id: int,
+               generator: Any) -> tuple[Any, Any, Any]:
+    """Block-structured x_t (`schedule: block`, module docstring): per row one response block
+    k uniform over the blocks; blocks before k clean, block k masked with probability t,
+    blocks after k masked entirely (ratio 1). Returns (x_t, masked, weight) with `weight` the
+    per-position ELBO weight: 1/t in block k, 1 after it (the 1/t of a ratio-1 mask), 0 before."""
+    import torch
+
+    rows, width = x0.shape
+    n_blocks = -(-(width - prompt_len) // block_size)
+    block = torch.full((width,), -1, dtype=torch.long)
+    block[prompt_len:] = torch.arange(width - prompt_len) // block_size
+    k = torch.randint(0, n_blocks, (rows,), generator=generator)
+    u = torch.rand(x0.shape, generator=generator)
+    current = block[None, :] == k[:, None]
+    later = block[None, :] > k[:, None]
+    masked = (current & (u < t[:, None])) | later
+    weight = torch.where(current, 1.0 / t[:, None], later.float())
+    return torch.where(masked, torch.full_like(x0, mask_id), x0), masked, weight
+
+
+def llada_loss(logits: Any, x0: Any, masked: Any, t: Any, response_len: int,
+               weight: Any = None) -> Any:
+    """(1/B) sum_rows (1/t) * sum_{masked i} CE(logits_i, x0_i) / L  (module docstring);
+    `weight` (rows, S) replaces the per-row 1/t by a per-position weight (`block_mask`)."""
     import torch
 
     ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2).float(), x0,
                                            reduction="none")          # (rows, S)
-    per_row = (ce * masked).sum(1) / t / response_len
+    if weight is None:
+        per_row = (ce * masked).sum(1) / t / response_len
+    else:
+        per_row = (ce * masked * weight).sum(1) / response_len
     return per_row.mean()
 
 
 def train_mdlm(model: Any, rows: Any, prompt_len: int, mask_id: int, *, steps: int,
                batch_size: int, lr: float, seed: int, warmup: float = 0.05,
                min_lr_ratio: float = 0.1, eps: float = 1e-3, t_min: float = 0.0,
+               schedule: Literal["llada", "block"] = "llada", block_size: int = 0,
                log: Callable[[dict[str, float], int], None] | None = None,
                log_every: int = 50) -> dict[str, float]:
     """Train `model` in place on fixed-length rows (LongTensor (N, S)) with the LLaDA
     objective: AdamW (beta2 0.98), linear warm-up then cosine decay to `lr * min_lr_ratio`,
     gradient clipping at 1. t ~ U(eps, 1] keeps 1/t finite. `t_min` > 0 (a diagnostic, not
     LLaDA: benchmarks/diffureason_learning.py) draws t from [t_min, 1] instead, the same t in
-    the mask and in the 1/t weight; 1 masks every response token."""
+    the mask and in the 1/t weight; 1 masks every response token. `schedule: block` masks
+    block-wise as the decoder sees the response (`block_mask`, blocks of `block_size`)."""
     import torch
+
+    if schedule == "block" and block_size < 1:
+        raise ValueError(f"schedule 'block' needs block_size >= 1, got {block_size}")
 
     gen = torch.Generator().manual_seed(seed)
     n, width = rows.shape
@@ -244,9 +275,13 @@ def train_mdlm(model: Any, rows: Any, prompt_len: int, mask_id: int, *, steps: i
         t = eps + (1 - eps) * torch.rand(batch_size, generator=gen)
         if t_min > 0:
             t = t_min + (1 - t_min) * t
-        xt, masked = llada_mask(x0, response.expand_as(x0), t, mask_id, gen)
+        if schedule == "block":
+            xt, masked, weight = block_mask(x0, prompt_len, block_size, t, mask_id, gen)
+        else:
+            xt, masked = llada_mask(x0, response.expand_as(x0), t, mask_id, gen)
+            weight = None
         logits = model(input_ids=xt, attention_mask=a).logits
-        loss = llada_loss(logits, x0, masked, t, response_len)
+        loss = llada_loss(logits, x0, masked, t, response_len, weight)
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
         opt.zero_grad(set_to_none=True)

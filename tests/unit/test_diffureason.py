@@ -74,6 +74,38 @@ def test_llada_mask_masks_only_the_response_at_rate_t(tok):
     assert (xt[masked] == 99).all()
 
 
+def test_block_mask_clean_before_partial_at_full_after():
+    gen = torch.Generator().manual_seed(0)
+    prompt, bs = 4, 3                      # response of 8 tokens: blocks 0-2 (the last short)
+    x0 = torch.arange(1, 13).repeat(3000, 1)
+    xt, masked, w = mdlm.block_mask(x0, prompt, bs, torch.full((3000,), 0.25), 99, gen)
+    assert not masked[:, :prompt].any() and (w[:, :prompt] == 0).all()
+    blocks = [(4, 7), (7, 10), (10, 12)]
+    seen = set()
+    for row in range(3000):
+        m, wr = masked[row], w[row]
+        # exactly one block carries weight 1/t; every position after it is masked, weight 1
+        k = [b for b, (lo, hi) in enumerate(blocks) if (wr[lo:hi] == 4.0).all()]
+        assert len(k) == 1
+        seen.add(k[0])
+        lo, hi = blocks[k[0]]
+        assert not m[prompt:lo].any() and (wr[prompt:lo] == 0).all()
+        assert m[hi:].all() and (wr[hi:] == 1.0).all()
+    assert seen == {0, 1, 2}
+    cur = w == 4.0
+    assert float(masked[cur].float().mean()) == pytest.approx(0.25, abs=0.02)
+    assert (xt[masked] == 99).all() and (xt[~masked] == x0[~masked]).all()
+
+
+def test_llada_loss_per_position_weight():
+    logits = torch.zeros(1, 3, 2)          # CE log 2 everywhere
+    x0 = torch.tensor([[0, 1, 0]])
+    masked = torch.tensor([[False, True, True]])
+    weight = torch.tensor([[0.0, 4.0, 1.0]])
+    got = mdlm.llada_loss(logits, x0, masked, torch.tensor([0.25]), 3, weight)
+    assert float(got) == pytest.approx(math.log(2) * 5 / 3)
+
+
 def test_commit_schedule_spreads_the_remainder_first():
     got = mdlm.commit_schedule(torch.tensor([8, 7, 2]), 4)
     assert got.tolist() == [[2, 2, 2, 2], [2, 2, 2, 1], [1, 1, 0, 0]]
