@@ -14,7 +14,10 @@ optimizer updates (the spec's first pitfall: IWM and SR get no extra gradient st
           chosen and the alternative rejected, the IL checkpoint as the reference
 
 Every phase runs the project's SFT engine (`stages.train.sft`, the harness's imitation recipe:
-AdamW, warm-up then cosine) except DPO's, a small loop here with the same optimiser settings.
+AdamW, warm-up then cosine) except DPO's, a small loop here with the same optimiser settings
+at its own peak learning rate `dpo_lr` (None: lr / 3). DPO tolerates far less than IL: at
+lr / 3 = 1e-3 the arm broke its own output format (most turns unparsable), so params.yaml sets
+1e-5, chosen on validation goals (pipelines/early_experience/README.md, "Deviations").
 
 Settings: the main one (all demonstrations, K = `k`) for every arm; with `fractions`, every arm
 also on the first fraction of the demonstrations (the data-efficiency curve; their experience
