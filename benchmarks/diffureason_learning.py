@@ -1,7 +1,8 @@
 """Does the tiny diffusion LM learn DiffuReason's `cpu` task, and does its AR twin?
 
     .venv/bin/python benchmarks/diffureason_learning.py [--steps 250 1000] [--seeds 0 1]
-        [--arch bert|llama] [--t-min 0.0] [--train-rows 3000] [--no-ar]
+        [--arch bert|llama] [--t-min 0.0] [--train-rows 3000] [--schedule llada|block]
+        [--no-ar]
 
 Trains both models of `pipelines/diffureason` (the `cpu` profile's task and model: single
 digits mod 10, + and -, 2-4 steps; d = 64, 2 layers, lr 3e-3, batch 64) at each step count,
@@ -23,7 +24,9 @@ masked (prompt only: nothing to copy from), the arithmetic alone.
 `--arch llama` trains LLaDA's own block (the AR twin's Llama block without the causal mask,
 transformers' EuroBERT class) instead of BERT; `--t-min` draws the mask ratio from
 [t_min, 1] instead of (0, 1] (1: every response token masked on every row; not LLaDA, a
-diagnostic of what the mixture of mask ratios costs); `--train-rows` the train split's size.
+diagnostic of what the mixture of mask ratios costs); `--train-rows` the train split's size;
+`--schedule block` masks block-wise as the decoder sees the response (`mdlm.block_mask`:
+blocks before a random block k clean, block k at ratio t, later blocks fully masked).
 """
 
 from __future__ import annotations

@@ -30,6 +30,13 @@ masked), and minimise
 `<eos>` padding of the response is trained like any token (LLaDA SFT does the same), so the
 model learns where an answer ends.
 
+Block-structured masking (`train_mdlm(schedule="block")`, `block_mask`; a diagnostic, not
+LLaDA's objective: our reading of block diffusion, Arriola et al., arXiv 2503.09573): per row
+one response block k; the blocks before it clean, block k masked at ratio t (weight 1/t), the
+blocks after it masked entirely (weight 1, the 1/t of ratio 1). It trains exactly what the
+block decoder below sees, where LLaDA's single ratio usually leaves a later copy of a masked
+token in view (pipelines/diffureason/README.md measures both).
+
 Decoding (LLaDA §2.4, "low-confidence remasking", semi-autoregressive blocks): the response is
 cut into blocks of B tokens, decoded left to right; inside a block, T_b steps each predict every
 masked position of the block, commit the most confident ones (a share of the block per step,
@@ -249,6 +256,8 @@ def train_mdlm(model: Any, rows: Any, prompt_len: int, mask_id: int, *, steps: i
     block-wise as the decoder sees the response (`block_mask`, blocks of `block_size`)."""
     import torch
 
+    if schedule not in ("llada", "block"):
+        raise ValueError(f"schedule {schedule!r}: expected 'llada' or 'block'")
     if schedule == "block" and block_size < 1:
         raise ValueError(f"schedule 'block' needs block_size >= 1, got {block_size}")
 

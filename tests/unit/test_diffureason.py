@@ -78,22 +78,24 @@ def test_block_mask_clean_before_partial_at_full_after():
     gen = torch.Generator().manual_seed(0)
     prompt, bs = 4, 3                      # response of 8 tokens: blocks 0-2 (the last short)
     x0 = torch.arange(1, 13).repeat(3000, 1)
-    xt, masked, w = mdlm.block_mask(x0, prompt, bs, torch.full((3000,), 0.25), 99, gen)
+    t = torch.tensor([0.25, 0.5]).repeat(1500)            # rows alternate t: weight is per row
+    xt, masked, w = mdlm.block_mask(x0, prompt, bs, t, 99, gen)
     assert not masked[:, :prompt].any() and (w[:, :prompt] == 0).all()
     blocks = [(4, 7), (7, 10), (10, 12)]
     seen = set()
     for row in range(3000):
         m, wr = masked[row], w[row]
         # exactly one block carries weight 1/t; every position after it is masked, weight 1
-        k = [b for b, (lo, hi) in enumerate(blocks) if (wr[lo:hi] == 4.0).all()]
+        k = [b for b, (lo, hi) in enumerate(blocks) if (wr[lo:hi] == 1 / t[row]).all()]
         assert len(k) == 1
         seen.add(k[0])
         lo, hi = blocks[k[0]]
         assert not m[prompt:lo].any() and (wr[prompt:lo] == 0).all()
         assert m[hi:].all() and (wr[hi:] == 1.0).all()
     assert seen == {0, 1, 2}
-    cur = w == 4.0
-    assert float(masked[cur].float().mean()) == pytest.approx(0.25, abs=0.02)
+    for rate in (0.25, 0.5):
+        cur = (w == 1 / rate) & (t[:, None] == rate)
+        assert float(masked[cur].float().mean()) == pytest.approx(rate, abs=0.02)
     assert (xt[masked] == 99).all() and (xt[~masked] == x0[~masked]).all()
 
 
@@ -101,9 +103,24 @@ def test_llada_loss_per_position_weight():
     logits = torch.zeros(1, 3, 2)          # CE log 2 everywhere
     x0 = torch.tensor([[0, 1, 0]])
     masked = torch.tensor([[False, True, True]])
-    weight = torch.tensor([[0.0, 4.0, 1.0]])
+    weight = torch.tensor([[2.0, 4.0, 1.0]])   # the unmasked position's weight must not count
     got = mdlm.llada_loss(logits, x0, masked, torch.tensor([0.25]), 3, weight)
     assert float(got) == pytest.approx(math.log(2) * 5 / 3)
+
+
+def test_train_mdlm_block_schedule_runs_and_names_bad_input(tok):
+    model = mdlm.build_mdlm(mdlm.Config(hidden_size=16, num_layers=1, num_heads=2,
+                                        intermediate_size=16, max_positions=32), tok)
+    rows = torch.randint(5, len(tok) - 1, (8, 20))
+    got = mdlm.train_mdlm(model, rows, 10, tok.mask_token_id, steps=2, batch_size=4, lr=1e-3,
+                          seed=0, schedule="block", block_size=4)
+    assert math.isfinite(got["train_loss"]) and got["train_loss"] > 0
+    with pytest.raises(ValueError, match="block_size >= 1"):
+        mdlm.train_mdlm(model, rows, 10, tok.mask_token_id, steps=1, batch_size=4, lr=1e-3,
+                        seed=0, schedule="block")
+    with pytest.raises(ValueError, match="'blocks'"):
+        mdlm.train_mdlm(model, rows, 10, tok.mask_token_id, steps=1, batch_size=4, lr=1e-3,
+                        seed=0, schedule="blocks")
 
 
 def test_commit_schedule_spreads_the_remainder_first():
