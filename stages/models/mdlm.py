@@ -208,10 +208,11 @@ def llada_mask(x0: Any, response: Any, t: Any, mask_id: int, generator: Any) -> 
 
 def block_mask(x0: Any, prompt_len: int, block_size: int, t: Any, mask_id: int,
                generator: Any) -> tuple[Any, Any, Any]:
-    """Block-structured x_t (`schedule: block`, module docstring): per row one response block
-    k uniform over the blocks; blocks before k clean, block k masked with probability t,
-    blocks after k masked entirely (ratio 1). Returns (x_t, masked, weight) with `weight` the
-    per-position ELBO weight: 1/t in block k, 1 after it (the 1/t of a ratio-1 mask), 0 before."""
+    """Block-structured x_t (`train_mdlm(schedule="block")`, module docstring): per row one
+    response block k uniform over the blocks; blocks before k clean, block k masked with
+    probability t, blocks after k masked entirely (ratio 1). Returns (x_t, masked, weight) with
+    `weight` the per-position ELBO weight: 1/t in block k, 1 after it (the 1/t of a ratio-1
+    mask), 0 before."""
     import torch
 
     rows, width = x0.shape
@@ -252,7 +253,7 @@ def train_mdlm(model: Any, rows: Any, prompt_len: int, mask_id: int, *, steps: i
     objective: AdamW (beta2 0.98), linear warm-up then cosine decay to `lr * min_lr_ratio`,
     gradient clipping at 1. t ~ U(eps, 1] keeps 1/t finite. `t_min` > 0 (a diagnostic, not
     LLaDA: benchmarks/diffureason_learning.py) draws t from [t_min, 1] instead, the same t in
-    the mask and in the 1/t weight; 1 masks every response token. `schedule: block` masks
+    the mask and in the 1/t weight; 1 masks every response token. `schedule="block"` masks
     block-wise as the decoder sees the response (`block_mask`, blocks of `block_size`)."""
     import torch
 
