@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/core_learning.py --steps 400 1500 --lr 1e-3 \
         --kinds kv,arith,table kv --arms text_sft --seed 0
     .venv/bin/python benchmarks/core_learning.py --steps 1500 --kinds kv --fresh 24000
+    .venv/bin/python benchmarks/core_learning.py --steps 400 1500 3000 --page aligned --fresh 30000
 
 A diagnostic behind the `cpu` profile of `pipelines/core/params.yaml` (`sft`), chosen WITHOUT
 the test split: each (arm, kinds, steps, lr) trains the sft stage's own loop (`train_arm`, one
@@ -12,7 +13,13 @@ gap-recovery claim needs text SFT well above visual SFT (the transfer failure, i
 that does not learn to answer leaves nothing to recover. The score on the first train pages is
 printed too (memorisation shows as train >> val). `--fresh N` trains on N new pages instead
 (same generator and page config as the vlm `data` stage, another seed, none equal to a val or
-test page), to tell memorisation of a small train set from a missing skill. Needs the vlm pipeline's `data` and
+test page), to tell memorisation of a small train set from a missing skill. `--page aligned`
+and `--page index` (with `--fresh`) ask whether the pair tokenizer is what stands in the way:
+key->value pages written so that every key and every value is exactly one pair token
+(`ab17cd04...`, 8 items, values zero-padded; the vlm `kv` page `ab=17 cd=4` puts them across
+token boundaries), asked by key (`get cd` -> `04`, an induction-style copy) or by position
+(`item 2` -> `04`); trained on fresh such pages and scored on 200 more (another generator
+seed, none a train page), never on the vlm splits. Needs the vlm pipeline's `data` and
 `train_text` outputs (`paperline repro vlm`).
 """
 
@@ -48,6 +55,46 @@ def fresh_pages(data: Path, kinds: list[str], n: int) -> tuple[object, list]:
     return df, [np.array(Image.open(io.BytesIO(b)).convert("RGB")) for b in df["image"]]
 
 
+def probe_pages(n: int, query: str, seed: str, exclude: set[str]) -> tuple[object, list]:
+    """`n` token-aligned key->value pages (`--page aligned|index`), rendered with the vlm data
+    stage's page config; the rows have the rendered-text schema (kind `kv`)."""
+    import io
+    import random
+    import string
+
+    import numpy as np
+    import polars as pl
+    import yaml
+    from PIL import Image
+
+    from stages.tasks import rendered_text
+    from stages.tasks.images import encode_png, pixel_sha
+
+    page = yaml.safe_load((ROOT / "pipelines/vlm/params.yaml").read_text())["data"]
+    cfg = rendered_text.Config(**{**page["rendered_text"], "kinds": ["kv"]})
+    keys = [a + b for a in string.ascii_lowercase for b in string.ascii_lowercase]
+    rng = random.Random(f"core-probe:{query}:{seed}")
+    rows, seen = [], set(exclude)
+    while len(rows) < n:
+        items = [(k, f"{rng.randint(0, 99):02d}") for k in rng.sample(keys, cfg.capacity // 4)]
+        content = "".join(k + v for k, v in items)
+        if content in seen:
+            continue
+        seen.add(content)
+        j = rng.randrange(len(items))
+        ask = f"get {items[j][0]}" if query == "aligned" else f"item {j + 1}"
+        pixels = rendered_text.render(cfg, content)
+        rows.append({"id": f"probe-{seed}-{len(rows):06d}", "family": rendered_text.FAMILY,
+                     "split": "probe", "kind": "kv", "content": content, "query": ask,
+                     "target": items[j][1], "answer": items[j][1], "image": encode_png(pixels),
+                     "image_sha": pixel_sha(pixels), "n_chars": len(content),
+                     "n_lines": -(-len(content) // cfg.cols), "visual_tokens": cfg.visual_tokens,
+                     "chars_per_token": len(content) / cfg.visual_tokens,
+                     "difficulty": len(items)})
+    df = pl.DataFrame(rows, schema=rendered_text.SCHEMA)
+    return df, [np.array(Image.open(io.BytesIO(b)).convert("RGB")) for b in df["image"]]
+
+
 def main() -> None:
     import torch
 
@@ -63,23 +110,35 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-eval", type=int, default=200)
     ap.add_argument("--fresh", type=int, default=0, help="train on this many new pages")
+    ap.add_argument("--page", choices=["vlm", "aligned", "index"], default="vlm",
+                    help="vlm: the vlm data stage's pages; aligned / index: token-aligned "
+                         "key->value pages asked by key / by position (needs --fresh)")
     args = ap.parse_args()
+    if args.page != "vlm" and (not args.fresh or args.kinds != ["kv"]):
+        ap.error("--page aligned|index needs --fresh N and --kinds kv")
     torch.set_num_threads(1)
     data = ROOT / "pipelines/vlm/data/tasks"
     model_dir = ROOT / f"pipelines/vlm/models/text/seed{args.seed}"
     if not (model_dir / "config.json").is_file():
         raise SystemExit(f"{model_dir}: no vlm-text checkpoint (paperline repro vlm first)")
     print(f"vlm-text seed {args.seed}; scored on val (at most {args.max_eval} items), greedy")
-    print(f"train pages: {'%d new pages' % args.fresh if args.fresh else 'the vlm train split'}")
+    print(f"train pages: {'%d new pages' % args.fresh if args.fresh else 'the vlm train split'}"
+          + (f", token-aligned key->value, asked {'by key' if args.page == 'aligned' else 'by position'}"
+             f" (scored on 200 more such pages, not the vlm val split)" if args.page != "vlm" else ""))
     print("| arm | kinds | steps | lr | final loss | train acc (first 200) | val acc (own input) "
           "| val by kind | s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for kinds in args.kinds:
         kl = kinds.split(",")
-        eval_df, eval_images = sft.load_split(data, "val", kl, 32, args.max_eval)
-        if args.fresh:
+        if args.page != "vlm":
+            eval_df, eval_images = probe_pages(min(200, args.max_eval), args.page, "val", set())
+            train_df, train_images = probe_pages(args.fresh, args.page, "train",
+                                                 set(eval_df["content"]))
+        elif args.fresh:
+            eval_df, eval_images = sft.load_split(data, "val", kl, 32, args.max_eval)
             train_df, train_images = fresh_pages(data, kl, args.fresh)
         else:
+            eval_df, eval_images = sft.load_split(data, "val", kl, 32, args.max_eval)
             train_df, train_images = sft.load_split(data, "train", kl, 32, None)
         first = vlm_model.load_vlm(model_dir)     # the same processor and tokenizer every run
         pixels = vlm_model.pixel_values(first.processor, train_images)
