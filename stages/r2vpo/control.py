@@ -279,12 +279,10 @@ def _train_job(job: tuple[Config, str, str, int]) -> tuple[list[dict[str, Any]],
 
 
 def run(cfg: Config, ctx: Any) -> dict[str, float]:
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
     import polars as pl
     import torch
 
+    from stages.core.pool import map_jobs
     from stages.r2vpo.ppo import train_one
 
     torch.set_num_threads(cfg.num_threads)
@@ -295,12 +293,10 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     jobs = [(spec, arm, seed) for spec in cfg.envs for arm in cfg.arms for seed in cfg.seeds]
     done: dict[tuple[str, str, int], tuple[list[dict[str, Any]], float]] = {}
     if cfg.workers > 1:
-        # Runs in parallel processes (spawned: no forked torch/MLflow threads); each run's curve
-        # is logged to its MLflow child run afterwards, step = env steps, as the live path does.
-        with ProcessPoolExecutor(min(cfg.workers, len(jobs)),
-                                 mp_context=multiprocessing.get_context("spawn")) as pool:
-            for job, result in zip(jobs, pool.map(_train_job, [(cfg, *j) for j in jobs])):
-                done[job] = result
+        # Runs in parallel processes (stages.core.pool: spawned, no forked torch/MLflow
+        # threads); each run's curve is logged to its MLflow child run afterwards, step = env
+        # steps, as the live path does.
+        done = dict(zip(jobs, map_jobs(_train_job, [(cfg, *j) for j in jobs], cfg.workers)))
     for spec, arm, seed in jobs:
         with ctx.method_run(f"control/{spec}", arm, seed, params) as mr:
             if (spec, arm, seed) in done:

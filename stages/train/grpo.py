@@ -341,16 +341,15 @@ def train_seeds(params: GRPOParams, model_dir: Path, family: str,
     kwargs = {"rewards": list(rewards), "trainer_cls": trainer_cls, "evaluate": evaluate}
     done: dict[int, tuple[dict[str, Any], list[tuple[dict, Any]]]] = {}
     if workers > 1 and len(seeds) > 1:
-        import multiprocessing
         import os
-        from concurrent.futures import ProcessPoolExecutor
+
+        from stages.core.pool import map_jobs
 
         n = min(workers, len(seeds))
         threads = params.num_threads or max(1, (os.cpu_count() or 1) // n)
         jobs = [(threads, (params, model_dir, family, train_rows, eval_rows, seed,
                            out / f"seed{seed}"), kwargs) for seed in seeds]
-        with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn")) as pool:
-            done = dict(zip(seeds, pool.map(_train_seed, jobs)))
+        done = dict(zip(seeds, map_jobs(_train_seed, jobs, n)))
     results: dict[int, dict[str, Any]] = {}
     for seed in seeds:
         run_ctx = method_run(seed) if method_run is not None else contextlib.nullcontext(None)
