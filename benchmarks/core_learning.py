@@ -1,9 +1,13 @@
-"""Does CoRe's upper-bound arm (text SFT) learn to answer at the `cpu` budget, and what would it take?
+"""Does CoRe's upper-bound arm (text SFT) learn to answer at the `cpu` budget, and what would
+it take?
 
     .venv/bin/python benchmarks/core_learning.py --steps 400 1500 --lr 1e-3 \
         --kinds kv,arith,table kv --arms text_sft --seed 0
     .venv/bin/python benchmarks/core_learning.py --steps 1500 --kinds kv --fresh 24000
-    .venv/bin/python benchmarks/core_learning.py --steps 400 1500 3000 --page aligned --fresh 30000
+    .venv/bin/python benchmarks/core_learning.py --steps 400 1500 3000 --page aligned \
+        --fresh 30000
+    .venv/bin/python benchmarks/core_learning.py --steps 1500 --page index --fresh 30000 \
+        --arms text_sft visual_sft core_sft --seed 1
 
 A diagnostic behind the `cpu` profile of `pipelines/core/params.yaml` (`sft`), chosen WITHOUT
 the test split: each (arm, kinds, steps, lr) trains the sft stage's own loop (`train_arm`, one
@@ -18,8 +22,13 @@ and `--page index` (with `--fresh`) ask whether the pair tokenizer is what stand
 key->value pages written so that every key and every value is exactly one pair token
 (`ab17cd04...`, 8 items, values zero-padded; the vlm `kv` page `ab=17 cd=4` puts them across
 token boundaries), asked by key (`get cd` -> `04`, an induction-style copy) or by position
-(`item 2` -> `04`); trained on fresh such pages and scored on 200 more (another generator
-seed, none a train page), never on the vlm splits. Needs the vlm pipeline's `data` and
+(`item 2` -> `04`); trained on fresh such pages and scored on up to 200 more (another generator
+seed, none a train page), never on the vlm splits; the pages do not depend on `--seed` (it
+picks the checkpoint and the batch order). Each (steps, lr) is a run of its own, with its own
+warm-up and cosine schedule. Printed per run: the final training loss (the mean of the last
+tenth of the steps) and its parts (CoRe-SFT: `ce_img`, `ce_txt`, `match`), the accuracy on the
+arm's own input (text SFT: the text; visual SFT and CoRe-SFT: the page) and on the other one.
+Needs the vlm pipeline's `data` and
 `train_text` outputs (`paperline repro vlm`).
 """
 
@@ -104,8 +113,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, nargs="+", default=[400, 1500])
     ap.add_argument("--lr", type=float, nargs="+", default=[1e-3])
-    ap.add_argument("--kinds", nargs="+", default=["kv,arith,table"],
-                    help="comma-separated kinds trained and scored together, per run")
+    ap.add_argument("--kinds", nargs="+", default=None,
+                    help="comma-separated kinds trained and scored together, per run "
+                         "(default kv,arith,table; with --page aligned|index: kv)")
     ap.add_argument("--arms", nargs="+", default=["text_sft"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-eval", type=int, default=200)
@@ -114,24 +124,35 @@ def main() -> None:
                     help="vlm: the vlm data stage's pages; aligned / index: token-aligned "
                          "key->value pages asked by key / by position (needs --fresh)")
     args = ap.parse_args()
+    if args.fresh < 0 or args.max_eval < 1:
+        ap.error("--fresh must be >= 0 and --max-eval >= 1")
+    if args.kinds is None:
+        args.kinds = ["kv,arith,table"] if args.page == "vlm" else ["kv"]
     if args.page != "vlm" and (not args.fresh or args.kinds != ["kv"]):
-        ap.error("--page aligned|index needs --fresh N and --kinds kv")
+        ap.error("--page aligned|index needs --fresh N (and trains the kind kv only)")
     torch.set_num_threads(1)
     data = ROOT / "pipelines/vlm/data/tasks"
     model_dir = ROOT / f"pipelines/vlm/models/text/seed{args.seed}"
     if not (model_dir / "config.json").is_file():
         raise SystemExit(f"{model_dir}: no vlm-text checkpoint (paperline repro vlm first)")
-    print(f"vlm-text seed {args.seed}; scored on val (at most {args.max_eval} items), greedy")
-    print(f"train pages: {'%d new pages' % args.fresh if args.fresh else 'the vlm train split'}"
-          + (f", token-aligned key->value, asked {'by key' if args.page == 'aligned' else 'by position'}"
-             f" (scored on 200 more such pages, not the vlm val split)" if args.page != "vlm" else ""))
-    print("| arm | kinds | steps | lr | final loss | train acc (first 200) | val acc (own input) "
-          "| val by kind | s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    n_eval = min(200, args.max_eval)
+    if args.page == "vlm":
+        print(f"vlm-text seed {args.seed}; scored on val (at most {args.max_eval} items), "
+              "greedy")
+        print("train pages: " + (f"{args.fresh} new pages" if args.fresh
+                                 else "the vlm train split"))
+    else:
+        asked = "by key" if args.page == "aligned" else "by position"
+        print(f"vlm-text seed {args.seed}; {args.fresh} new token-aligned key->value pages, "
+              f"asked {asked}; scored on {n_eval} more such pages (not the vlm val split), "
+              "greedy")
+    print("| arm | kinds | steps | lr | final loss | loss parts | train acc (first 200) "
+          "| val acc (own input) | val acc (other input) | val by kind | s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for kinds in args.kinds:
         kl = kinds.split(",")
         if args.page != "vlm":
-            eval_df, eval_images = probe_pages(min(200, args.max_eval), args.page, "val", set())
+            eval_df, eval_images = probe_pages(n_eval, args.page, "val", set())
             train_df, train_images = probe_pages(args.fresh, args.page, "train",
                                                  set(eval_df["content"]))
         elif args.fresh:
@@ -155,6 +176,7 @@ def main() -> None:
                     rows, acc = sft.score_arm(vlm, eval_df, eval_images, arm, args.seed, cfg,
                                               "probe")
                     own = "text" if arm == "text_sft" else "image"
+                    other = "image" if own == "text" else "text"
                     _, fit = sft.score_arm(vlm, train_df.head(args.max_eval),
                                            train_images[:args.max_eval], arm, args.seed, cfg,
                                            "probe (train pages)")
@@ -164,8 +186,12 @@ def main() -> None:
                                             if r["modality"] == own and r["kind"] == k))
                                for k in kl}
                     loss = m.get("final_loss", float("nan"))
-                    print(f"| {arm} | {kinds} | {steps} | {lr:g} | {loss:.3f} | "
+                    parts = ", ".join(f"{k} {m[f'final_{k}']:.3f}"
+                                      for k in ("ce_img", "ce_txt", "match")
+                                      if f"final_{k}" in m) if arm == "core_sft" else ""
+                    print(f"| {arm} | {kinds} | {steps} | {lr:g} | {loss:.3f} | {parts} | "
                           f"{fit['acc_' + own]:.3f} | {acc['acc_' + own]:.3f} | "
+                          f"{acc['acc_' + other]:.3f} | "
                           + ", ".join(f"{k} {v:.2f}" for k, v in by_kind.items())
                           + f" | {time.perf_counter() - t:.0f} |", flush=True)
 
