@@ -293,9 +293,9 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     jobs = [(spec, arm, seed) for spec in cfg.envs for arm in cfg.arms for seed in cfg.seeds]
     done: dict[tuple[str, str, int], tuple[list[dict[str, Any]], float]] = {}
     if cfg.workers > 1:
-        # Runs in parallel processes (stages.core.pool: spawned, no forked torch/MLflow
-        # threads); each run's curve is logged to its MLflow child run afterwards, step = env
-        # steps, as the live path does.
+        # Runs in worker processes (stages.core.pool: spawned, no forked torch/MLflow threads;
+        # a single job runs here); each run's curve is logged to its MLflow child run
+        # afterwards, step = env steps, as the live path does.
         done = dict(zip(jobs, map_jobs(_train_job, [(cfg, *j) for j in jobs], cfg.workers)))
     for spec, arm, seed in jobs:
         with ctx.method_run(f"control/{spec}", arm, seed, params) as mr:
