@@ -1,5 +1,6 @@
 """Stages `evaluate` (mini-WebShop) and `babyai_evaluate` (BabyAI): every trained policy plays
-the in-domain test goals and the OOD goals (unseen categories; BabyAI: a key as the target),
+the in-domain test goals and the OOD goals (the shop: unseen categories, `ood`, and unseen
+(colour, category) combinations, `ood_combo`; BabyAI: a key as the target, `ood`),
 greedy, through the harness's rollout runner and the LLM backend: the
 `local` backend loads each `train` folder with the real Hugging Face code; at the `gpu` profile
 `policy.kind: openai` plays the served model named `policy.model` with `{setting}` and `{seed}`
@@ -38,8 +39,13 @@ SUCCESS_SCHEMA = {"setting": pl.String, "seed": pl.Int64, "split": pl.String,
 
 def success_spec() -> FrameSpec:
     cols = {k: ColumnSpec(dtype=v) for k, v in SUCCESS_SCHEMA.items()}
-    cols["split"] = ColumnSpec(dtype=pl.String, values=("test", "ood"))
+    cols["split"] = ColumnSpec(dtype=pl.String, values=shop.EVAL_SPLITS)
     return FrameSpec(cols, min_rows=1)
+
+
+def eval_splits(world: str) -> tuple[str, ...]:
+    """The splits every policy of a world plays."""
+    return shop.EVAL_SPLITS if world == "shop" else ("test", "ood")
 
 
 class Config(BaseModel):
@@ -98,7 +104,7 @@ def play(job: dict[str, Any]) -> dict[str, Any]:
     budget = Budget(max_steps=cfg.max_steps, max_new_tokens=cfg.max_new_tokens,
                     max_failures=cfg.max_failures)
     envs, ids = [], []
-    for split in ("test", "ood"):
+    for split in eval_splits(cfg.world):
         fresh = split_envs(cfg, Path(job["source"]), split)
         envs += fresh
         ids += [f"{name}/s{seed}/{split}/{g}" for g in range(len(fresh))]
@@ -107,7 +113,7 @@ def play(job: dict[str, Any]) -> dict[str, Any]:
     episodes, steps = to_frames(eps, name)
     metrics: dict[str, float] = {}
     rows = []
-    for split in ("test", "ood"):
+    for split in eval_splits(cfg.world):
         mine = [e for e in eps if f"/{split}/" in e.episode_id]
         rows += [{"setting": name, "seed": seed, "split": split,
                   "goal": int(e.episode_id.rsplit("/", 1)[1]), "success": e.success}
@@ -150,7 +156,7 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
         write_rollouts(tmp / "rollouts", pl.concat(all_eps), pl.concat(all_steps))
         pl.DataFrame(rows, schema=SUCCESS_SCHEMA).write_parquet(tmp / "success.parquet")
     for name, _, _, _ in settings(tcfg):
-        for key in ("success_test", "success_ood", "parse_failure_rate"):
+        for key in (*(f"success_{s}" for s in eval_splits(cfg.world)), "parse_failure_rate"):
             vals = [out[f"{name}/s{s}/{key}"] for s in tcfg.seeds]
             out[f"{name}/{key}"] = sum(vals) / len(vals)
     return out
@@ -159,4 +165,4 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
 def headline(details: dict[str, float]) -> dict[str, float]:
     """DVC metrics: each main arm's mean success, in-domain and OOD."""
     return {f"{a}_{s}": details[f"{a}/success_{s}"] for a in ("il", "iwm", "sr", "dpo")
-            for s in ("test", "ood") if f"{a}/success_{s}" in details}
+            for s in shop.EVAL_SPLITS if f"{a}/success_{s}" in details}

@@ -22,9 +22,12 @@ runner. Every observation is the whole page, so the last observation and the goa
 state: the policy's prompt shows no history (`PromptFormat(window=0)`), which keeps prompts
 ~100 characters.
 
-Splits: `train` goals (the expert's demonstrations), `test` goals over the same categories
-(in-domain) and `ood` goals over categories no train goal has (the spec's "unseen categories";
-their words are in no demonstration). Goals are drawn so that at least one item meets them and,
+Splits (the spec's OOD: "unseen categories and constraint combinations"): `train` goals (the
+expert's demonstrations), `test` goals over the same (colour, category) pairs (in-domain),
+`ood` goals over categories no train goal has (unseen categories: their words are in no
+demonstration) and `ood_combo` goals over held-out (colour, category) pairs of the in-domain
+categories (`HELD_OUT`: each colour and each category in five train pairs, never this one: an
+unseen combination of seen words). Goals are drawn so that at least one item meets them and,
 with `distractors`, the search that finds it also lists items that break a constraint (over
 budget, size out of stock): the choice on the results page is the decision to learn.
 
@@ -46,6 +49,37 @@ COLORS = ("red", "blue", "green", "black", "white", "grey")
 SIZES = ("S", "M", "L", "XL")
 IN_DOMAIN = ("shirt", "shoes", "hat", "bag", "mug", "lamp")
 OOD = ("scarf", "jacket")          # categories of the OOD split only
+# [ours] the (colour, category) pairs of the `ood_combo` split, held out of the train and test
+# goals: one per colour and per category (a Latin diagonal), so every word stays in training
+HELD_OUT = ("red shirt", "blue shoes", "green hat", "black bag", "white mug", "grey lamp")
+
+
+def parse_pairs(pairs: Any) -> list[tuple[str, str]]:
+    """`["red shirt", ...]` -> [(colour, category)]: each an in-domain pair, no repeats, and
+    every colour and every category left in at least one training pair. A named error
+    otherwise."""
+    out: list[tuple[str, str]] = []
+    for p in pairs:
+        words = str(p).split()
+        if len(words) != 2 or words[0] not in COLORS or words[1] not in IN_DOMAIN:
+            raise ValueError(f"held-out pair {p!r}: want 'colour category' with a colour in "
+                             f"{COLORS} and an in-domain category in {IN_DOMAIN}")
+        out.append((words[0], words[1]))
+    if len(set(out)) != len(out):
+        raise ValueError(f"held-out pairs {list(pairs)} repeat a pair")
+    for c in COLORS:
+        if sum(pc == c for pc, _ in out) == len(IN_DOMAIN):
+            raise ValueError(f"held-out pairs hold out every category of colour {c!r}: the "
+                             "word would be unseen, not the combination")
+    for k in IN_DOMAIN:
+        if sum(pk == k for _, pk in out) == len(COLORS):
+            raise ValueError(f"held-out pairs hold out every colour of category {k!r}")
+    return out
+
+
+def in_domain_pairs(held_out: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Every (colour, category) of the in-domain categories except the held-out ones."""
+    return [(c, k) for k in IN_DOMAIN for c in COLORS if (c, k) not in set(held_out)]
 
 
 class SearchArgs(BaseModel):
@@ -130,9 +164,11 @@ def search(catalogue: list[Item], query: str, max_results: int) -> list[Item]:
 
 
 def make_goals(catalogue: list[Item], categories: tuple[str, ...], n: int, seed: int,
-               max_results: int, distractors: bool = True) -> list[Goal]:
-    """`n` goals over `categories`, each met by some item the expert's search lists; with
-    `distractors`, that search also lists an item that breaks a constraint."""
+               max_results: int, distractors: bool = True,
+               pairs: list[tuple[str, str]] | None = None) -> list[Goal]:
+    """`n` goals over `categories` (every colour), or over the (colour, category) `pairs` when
+    given, each met by some item the expert's search lists; with `distractors`, that search
+    also lists an item that breaks a constraint."""
     rng = random.Random(f"goals/{seed}")
     goals: list[Goal] = []
     tries = 0
@@ -141,7 +177,10 @@ def make_goals(catalogue: list[Item], categories: tuple[str, ...], n: int, seed:
         if tries > 100 * n:
             raise ValueError(f"could not draw {n} goals over {categories}: too few items "
                              "per (category, colour) (raise per_pair)")
-        cat, color = rng.choice(categories), rng.choice(COLORS)
+        if pairs is None:
+            cat, color = rng.choice(categories), rng.choice(COLORS)
+        else:
+            color, cat = rng.choice(pairs)
         listed = search(catalogue, f"{color} {cat}", max_results)
         target = rng.choice(listed)
         size = rng.choice(target.sizes)
@@ -238,8 +277,10 @@ class ShopEnv(Env):
 
     def legal_actions(self) -> list[str]:
         """Every call the page accepts; searches: each colour x `searchable` category (the
-        in-domain ones for train and test goals, so no OOD category word reaches training
-        through an alternative action; every category for OOD goals)."""
+        in-domain ones for train, test and `ood_combo` goals, so no OOD category word reaches
+        training through an alternative action; every category for `ood` goals). A held-out
+        pair is a legal search on a train state: early experience may try it, as the paper's
+        agent may try any action; the expert never does."""
         if self.page == "search":
             return [f"search[{c} {k}]" for k in self.searchable for c in COLORS]
         if self.page == "results":
@@ -273,7 +314,8 @@ def expert_agent() -> Any:
 
 # --- on disk: the catalogue and the goals of every split ---------------------------------
 
-SPLITS = ("train", "test", "ood")
+SPLITS = ("train", "test", "ood", "ood_combo")
+EVAL_SPLITS = ("test", "ood", "ood_combo")      # what every policy plays
 ITEM_SCHEMA = {"id": "Int64", "category": "String", "color": "String", "price": "Int64",
                "sizes": "String"}
 GOAL_SCHEMA = {"split": "String", "goal_id": "Int64", "category": "String", "color": "String",

@@ -32,6 +32,7 @@ def test_shop_experience_and_rollouts_well_formed(ee_repo: Path):
     s = io.read_metrics(ee_repo / P / "details/shop.json")
     assert s["demos"] == 24 and s["demo_success"] == 1.0
     assert s["expert/test/success"] == 1.0 and s["expert/ood/success"] == 1.0
+    assert s["expert/ood_combo/success"] == 1.0
     assert s["random/test/success"] <= 0.25
     exp = pl.read_parquet(ee_repo / P / "data/experience.parquet")
     states = exp.filter(pl.col("j") == 0)
@@ -41,7 +42,8 @@ def test_shop_experience_and_rollouts_well_formed(ee_repo: Path):
     assert (alts["reflection"].str.len_chars() > 0).all()
     episodes, steps = read_rollouts(ee_repo / P / "data/runs/rollouts")    # checked read
     assert set(episodes["agent"]) == set(ARMS)
-    assert episodes.height == len(ARMS) * 2 * (8 + 8)   # arms x seeds x (test + ood goals)
+    # arms x seeds x (test + ood + ood_combo goals)
+    assert episodes.height == len(ARMS) * 2 * (8 + 8 + 8)
     assert steps["step"].max() < 4                      # the turn budget
     succ = pl.read_parquet(ee_repo / P / "data/runs/success.parquet")
     # every arm and seed played the same goals: success is paired per episode
@@ -55,8 +57,8 @@ def test_equal_updates_compare_and_readme(ee_repo: Path):
     assert t["updates"] == 4
     assert t["iwm/iwm_examples"] > t["il/il_examples"] and t["sr/sr_examples"] > 0
     c = io.read_metrics(ee_repo / P / "details/compare.json")
-    for name in ("iwm_vs_il", "sr_vs_il", "iwm_vs_il_ood", "sr_vs_il_ood", "iwm_vs_dpo",
-                 "sr_vs_dpo", "il_vs_random"):
+    for name in ("iwm_vs_il", "sr_vs_il", "iwm_vs_il_ood", "sr_vs_il_ood", "iwm_vs_il_ood_combo",
+                 "sr_vs_il_ood_combo", "iwm_vs_dpo", "sr_vs_dpo", "il_vs_random"):
         assert c[f"claim/{name}/verdict"] in (-1.0, 0.0, 1.0)
         assert c[f"claim/{name}/pairs"] == 2
     assert c["claim/iwm_vs_il/paper_effect"] == 0.113
@@ -66,6 +68,7 @@ def test_equal_updates_compare_and_readme(ee_repo: Path):
     readme = (ee_repo / P / "README.md").read_text()
     block = readme.split("<!-- results:start")[1].split("<!-- results:end")[0]
     assert "| IWM -> IL |" in block and "SR > IL, OOD" in block and "templated" in block
+    assert "OOD (unseen colour × category)" in block
 
 
 def test_every_arm_registered_with_its_alias(ee_repo: Path):
@@ -96,7 +99,8 @@ def test_registered_policy_loads_and_arms_side_by_side(ee_repo: Path):
     assert {r.data.params["reflections"] for r in runs if r.data.params["arm"] == "sr"} == \
         {"templated"}
     keys = {frozenset(r.data.metrics) for r in runs}
-    assert len(keys) == 1 and {"success_test", "success_ood"} <= next(iter(keys))
+    assert len(keys) == 1
+    assert {"success_test", "success_ood", "success_ood_combo"} <= next(iter(keys))
 
 
 def test_babyai_world_end_to_end(ee_repo: Path):

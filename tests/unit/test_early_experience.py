@@ -97,9 +97,38 @@ def test_expert_ceiling_random_floor_and_ood_split():
     assert any("scarf" in a for a in shop.envs_for(cat, ood, "ood", 4)[0].legal_actions())
 
 
+def test_held_out_pairs_split_unseen_combinations_of_seen_words():
+    from stages.agents.react import PromptFormat as PF
+    from stages.early_experience import build
+
+    cfg = build.Config(n_train=120, n_test=30, n_ood=10, n_ood_combo=30, prompt=PF())
+    goals = build.draw_goals(cfg, shop.make_catalogue(0, 4))
+    held = set(shop.parse_pairs(shop.HELD_OUT))
+    pairs = {s: {(g.color, g.category) for g in gs} for s, gs in goals.items()}
+    assert pairs["ood_combo"] == held                  # 30 goals cover all six pairs
+    assert not (pairs["train"] | pairs["test"]) & held
+    # every word of a held-out pair is in the train goals, with another partner
+    words = {w for c, k in pairs["train"] for w in (c, k)}
+    assert {w for c, k in held for w in (c, k)} <= words
+    # the held-out searches stay legal on a train state (early experience may try them)
+    env = shop.envs_for(shop.make_catalogue(0, 4), goals["train"][:1], "train", 4)[0]
+    assert "search[red shirt]" in env.legal_actions()
+    assert len(shop.in_domain_pairs(list(held))) == 36 - 6
+    for bad, word in ((["red shirt", "red shirt"], "repeat"), (["pink hat"], "pink hat"),
+                      (["red scarf"], "in-domain"),
+                      ([f"{c} mug" for c in shop.COLORS], "every colour of category 'mug'"),
+                      ([f"red {k}" for k in shop.IN_DOMAIN], "every category of colour")):
+        with pytest.raises(ValueError, match=word):
+            shop.parse_pairs(bad)
+    with pytest.raises(ValueError, match="held-out pair"):
+        build.Config(n_train=2, n_test=2, n_ood=2, n_ood_combo=2, prompt=PF(),
+                     held_out_pairs=["blue"])
+
+
 def test_shop_round_trips_through_the_checked_reads(tmp_path: Path):
     cat = shop.make_catalogue(0, 2)
-    goals = {"train": [GOAL], "test": [GOAL], "ood": [shop.Goal("scarf", "red", "L", 5)]}
+    goals = {"train": [GOAL], "test": [GOAL], "ood": [shop.Goal("scarf", "red", "L", 5)],
+             "ood_combo": [shop.Goal("shirt", "red", "S", 20)]}
     shop.write_shop(tmp_path, cat, goals)
     assert shop.read_shop(tmp_path) == (cat, goals)
 
@@ -191,13 +220,18 @@ def test_compare_claims_on_paired_seeds():
                 for split in ("test", "ood"):
                     m[f"il/s{s}/success_{split}"] = il
                     m[f"iwm/s{s}/success_{split}"] = iwm
+                # unseen combinations: IWM below IL in every seed (-0.1, -0.12, -0.08)
+                m[f"il/s{s}/success_ood_combo"] = 0.5
+                m[f"iwm/s{s}/success_ood_combo"] = (0.4, 0.38, 0.42)[s]
             return m
 
     out = compare.run(compare.Config(), Ctx())
     # per-seed differences 0.2, 0.2, 0.22
     assert out["claim/iwm_vs_il/diff"] == pytest.approx(0.62 / 3)
     assert out["claim/iwm_vs_il/verdict"] == 1.0 and out["claim/iwm_vs_il/pairs"] == 3
+    assert out["claim/iwm_vs_il_ood_combo/diff"] == pytest.approx(-0.1)
+    assert out["claim/iwm_vs_il_ood_combo/verdict"] == -1.0
     assert "claim/sr_vs_il/verdict" not in out          # an arm not run: no claim
     assert out["claim/il_vs_random/verdict"] == 1.0
     assert compare.headline(out) == {"reproduced": 3.0, "inconclusive": 0.0,
-                                     "contradicted": 0.0}
+                                     "contradicted": 1.0}
