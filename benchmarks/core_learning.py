@@ -65,41 +65,38 @@ def fresh_pages(data: Path, kinds: list[str], n: int) -> tuple[object, list]:
 
 
 def probe_pages(n: int, query: str, seed: str, exclude: set[str]) -> tuple[object, list]:
-    """`n` token-aligned key->value pages (`--page aligned|index`), rendered with the vlm data
-    stage's page config; the rows have the rendered-text schema (kind `kv`)."""
+    """`n` token-aligned key->value pages (`--page aligned|index`): the core pipeline's `pages`
+    generator (`stages.core_align.pages.index_page`, asked by key or by position) with the vlm
+    data stage's page config and this probe's own draw; the rows have the rendered-text schema
+    (kind `kv`, as the probe's `--kinds kv`)."""
     import io
     import random
-    import string
 
     import numpy as np
     import polars as pl
     import yaml
     from PIL import Image
 
+    from stages.core_align.pages import index_page
     from stages.tasks import rendered_text
     from stages.tasks.images import encode_png, pixel_sha
 
     page = yaml.safe_load((ROOT / "pipelines/vlm/params.yaml").read_text())["data"]
     cfg = rendered_text.Config(**{**page["rendered_text"], "kinds": ["kv"]})
-    keys = [a + b for a in string.ascii_lowercase for b in string.ascii_lowercase]
     rng = random.Random(f"core-probe:{query}:{seed}")
     rows, seen = [], set(exclude)
     while len(rows) < n:
-        items = [(k, f"{rng.randint(0, 99):02d}") for k in rng.sample(keys, cfg.capacity // 4)]
-        content = "".join(k + v for k, v in items)
-        if content in seen:
+        p = index_page(cfg.capacity, rng, "key" if query == "aligned" else "position")
+        if p["content"] in seen:
             continue
-        seen.add(content)
-        j = rng.randrange(len(items))
-        ask = f"get {items[j][0]}" if query == "aligned" else f"item {j + 1}"
-        pixels = rendered_text.render(cfg, content)
-        rows.append({"id": f"probe-{seed}-{len(rows):06d}", "family": rendered_text.FAMILY,
-                     "split": "probe", "kind": "kv", "content": content, "query": ask,
-                     "target": items[j][1], "answer": items[j][1], "image": encode_png(pixels),
-                     "image_sha": pixel_sha(pixels), "n_chars": len(content),
-                     "n_lines": -(-len(content) // cfg.cols), "visual_tokens": cfg.visual_tokens,
-                     "chars_per_token": len(content) / cfg.visual_tokens,
-                     "difficulty": len(items)})
+        seen.add(p["content"])
+        pixels = rendered_text.render(cfg, p["content"])
+        rows.append({**p, "id": f"probe-{seed}-{len(rows):06d}", "family": rendered_text.FAMILY,
+                     "split": "probe", "kind": "kv", "image": encode_png(pixels),
+                     "image_sha": pixel_sha(pixels), "n_chars": len(p["content"]),
+                     "n_lines": -(-len(p["content"]) // cfg.cols),
+                     "visual_tokens": cfg.visual_tokens,
+                     "chars_per_token": len(p["content"]) / cfg.visual_tokens})
     df = pl.DataFrame(rows, schema=rendered_text.SCHEMA)
     return df, [np.array(Image.open(io.BytesIO(b)).convert("RGB")) for b in df["image"]]
 

@@ -168,8 +168,10 @@ STAGES: dict[str, dict[str, str]] = {
     # CoRe: the vlm-text checkpoints post-trained on rendered-text QA under text SFT, visual SFT
     # and visual SFT + step-wise matching to the model's own text-conditioned policy (a
     # stop-gradient dynamic anchor), then GRPO on the page without and with that anchor; every
-    # arm answers from the text and from the page.
+    # arm answers from the text and from the page. At `cpu` the pages are the `pages` stage's
+    # key->value pages asked by position (the retrieval the tiny family learns in budget).
     "core": {
+        "pages": "stages.core_align.pages",
         "sft": "stages.core_align.sft",
         "grpo": "stages.core_align.grpo",
         "compare": "stages.core_align.compare",

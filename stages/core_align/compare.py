@@ -30,6 +30,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from stages.core import stats
+from stages.core_align.pages import KINDS
 from stages.core_align.sft import ARMS, MODALITIES, RL_ARMS
 
 ARM_ORDER = ("base", *ARMS, *RL_ARMS)
@@ -240,14 +241,16 @@ def results_table(metrics: dict[str, dict[str, Any]]) -> str:
         return "_No results yet: run the pipeline._\n"
     n_seeds = int(m.get("seeds", 0))
     arms = [a for a in ARM_ORDER if f"{a}/image_mean" in m]
+    shown = [k for k in KINDS if any(f"{a}/image_{k}" in m for a in arms)]
     lines = [f"Test split ({int(m.get('items', 0))} items), greedy answers, mean ± std over "
              f"{n_seeds} `vlm-text` seeds; {m.get('chars_per_visual_token', math.nan):.1f} "
              f"characters per visual token (compression ratio).", "",
-             "| arm | accuracy on the page | accuracy on the text | page: kv | page: arith | "
-             "page: table | answer NLL, page | answer NLL, text |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| arm | accuracy on the page | accuracy on the text | "
+             + "".join(f"page: {k} | " for k in shown)
+             + "answer NLL, page | answer NLL, text |",
+             "|---|---|---|" + "---|" * len(shown) + "---|---|"]
     for arm in arms:
-        kinds = [m.get(f"{arm}/image_{k}") for k in ("kv", "arith", "table")]
+        kinds = [m.get(f"{arm}/image_{k}") for k in shown]
         lines.append(f"| {LABELS[arm]} | {_cell(m, f'{arm}/image', n_seeds)} | "
                      f"{_cell(m, f'{arm}/text', n_seeds)} | "
                      + " | ".join("—" if v is None else f"{v:.3f}" for v in kinds) + " | "

@@ -326,7 +326,7 @@ def sft_step(model: Any, optimizer: Any, text: Branch, image: Branch, response_i
     return parts
 
 
-# --- the headline metric ---------------------------------------------------------------------------
+# --- the headline metric -----------------------------------------------------------------
 
 def gap_recovery(acc_core_img: float, acc_visual_img: float, acc_text_txt: float) -> float:
     """(Acc_CoRe(img) - Acc_visualSFT(img)) / (Acc_textSFT(txt) - Acc_visualSFT(img)); NaN

@@ -59,7 +59,7 @@ class Config(BaseModel):
         default_factory=lambda: list(RL_ARMS), min_length=1, description="RL arms to run")
     grpo: CoReGRPOParams = Field(default_factory=CoReGRPOParams,
                                  description="GRPO budgets and the anchor term (`anchor.lam`)")
-    kinds: list[Literal["kv", "arith", "table"]] = Field(
+    kinds: list[Literal["kv", "arith", "table", "index"]] = Field(
         default_factory=lambda: ["kv", "arith", "table"], min_length=1,
         description="page kinds trained and evaluated")
     max_train_rows: int | None = Field(None, ge=1, description="use at most this many pages")

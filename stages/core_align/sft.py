@@ -39,6 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from stages.core import io
 from stages.core.pool import map_jobs
 from stages.core_align.core import CoReParams
+from stages.core_align.pages import KINDS
 from stages.models import vlm as vlm_model
 
 ARMS = ("text_sft", "visual_sft", "core_sft")
@@ -49,8 +50,8 @@ MODALITIES = ("text", "image")
 class Config(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    data: str = Field("vlm_data", description="path key: the vlm pipeline's task folder "
-                                              "(rendered_text/{train,val,test}.parquet)")
+    data: str = Field("vlm_data", description="path key: rendered_text/{train,val,test}.parquet "
+                                              "(the vlm pipeline's, or the pages stage's)")
     models: str = Field("vlm_text", description="path key: vlm-text checkpoints, seed<k>/")
     out: str = Field("core_models", description="path key: <arm>/seed<k>/ trained models")
     answers: str = Field("core_answers", description="path key: answers.parquet, one row per "
@@ -62,7 +63,7 @@ class Config(BaseModel):
         default_factory=lambda: list(ARMS), min_length=1, description="SFT arms to run")
     core: CoReParams = Field(default_factory=CoReParams,
                              description="CoRe-SFT's loss (lam, mu, divergence, ...)")
-    kinds: list[Literal["kv", "arith", "table"]] = Field(
+    kinds: list[Literal["kv", "arith", "table", "index"]] = Field(
         default_factory=lambda: ["kv", "arith", "table"], min_length=1,
         description="page kinds trained and evaluated")
     max_train_rows: int | None = Field(None, ge=1, description="use at most this many pages")
@@ -107,21 +108,28 @@ class Config(BaseModel):
 
 def load_split(data_dir: Path, split: str, kinds: list[str], image_size: int | None,
                max_rows: int | None) -> tuple[Any, list[Any]]:
-    """(rows, decoded page images) of one rendered-text split, checked (GE suite, then every
-    image decoded and size-checked) before any compute, filtered to `kinds`."""
+    """(rows, decoded page images) of one rendered-text split (the vlm pipeline's, or the
+    `pages` stage's index pages), checked (GE suite, then every kept image decoded and
+    size-checked) before any compute, filtered to `kinds`."""
     import polars as pl
 
-    from stages.train.vlm import load_family
+    from stages.core.checks import read_parquet_checked
+    from stages.core_align.pages import expectations
+    from stages.tasks.images import decode_all
 
-    df, images, _ = load_family(data_dir, "rendered_text", split, image_size)
+    path = data_dir / "rendered_text" / f"{split}.parquet"
+    df = read_parquet_checked(path, expectations(split))
     keep = [i for i, k in enumerate(df["kind"].to_list()) if k in kinds]
     if max_rows:
         keep = keep[:max_rows]
     if not keep:
-        raise ValueError(f"{data_dir / 'rendered_text' / f'{split}.parquet'}: no rows of kinds "
-                         f"{kinds}")
+        raise ValueError(f"{path}: no rows of kinds {kinds}")
     rows = df.with_row_index("_row").filter(pl.col("_row").is_in(keep)).drop("_row")
-    return rows, [images[i] for i in keep]
+    # image_size None (a pretrained model, whose processor resizes): every image the size of
+    # the first
+    images = decode_all(rows["image"], rows["id"], mode="L", source=str(path),
+                        size=None if image_size is None else (image_size, image_size))
+    return rows, images
 
 
 def encode_pairs(vlm: vlm_model.VLM, df: Any) -> list[dict[str, Any]]:
@@ -305,7 +313,7 @@ def answers_spec() -> Any:
     return FrameSpec(columns={
         "arm": ColumnSpec(dtype=pl.String, values=("base", *ARMS, *RL_ARMS)),
         "seed": ColumnSpec(dtype=pl.Int64, min=0), "item": ColumnSpec(dtype=pl.String),
-        "kind": ColumnSpec(dtype=pl.String, values=("kv", "arith", "table")),
+        "kind": ColumnSpec(dtype=pl.String, values=KINDS),
         "difficulty": ColumnSpec(dtype=pl.Int64, min=0),
         "modality": ColumnSpec(dtype=pl.String, values=MODALITIES),
         "completion": ColumnSpec(dtype=pl.String),

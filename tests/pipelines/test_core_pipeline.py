@@ -42,6 +42,10 @@ def test_every_arm_trained_and_answers_the_same_items_from_text_and_page(core_re
     keys = answers.group_by("arm", "modality").agg(pl.struct("seed", "item").sort().alias("k"))
     assert len({tuple(map(str, k)) for k in keys["k"].to_list()}) == 1
     assert answers.height == 4 * 2 * 2 * 6              # arms x inputs x seeds x 6 test items
+    # the smoke profile reads the pages stage's index pages, as cpu does
+    assert set(answers["kind"]) == {"index"}
+    test_pages = pl.read_parquet(core_repo / P / "data/pages/rendered_text/test.parquet")
+    assert set(answers["item"]) == set(test_pages["id"])
     details = json.loads((core_repo / P / "details/sft.json").read_text())
     assert details["chars_per_visual_token"] == 2.0      # issue 18: >= 2 per visual token
     assert details["eval_items"] == 6 and details["steps"] == 3

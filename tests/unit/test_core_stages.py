@@ -162,3 +162,59 @@ def test_gap_recovery_and_claims_on_hand_made_answers():
                      "core_sft": {"image": core}})
     claim, g = compare.recovery_claim(flat, "core_sft", draws=100)
     assert math.isnan(g.value) and claim.name == "inconclusive"
+
+
+# --- the pages stage: key->value pages asked by position -------------------------------------
+
+def test_index_page_by_hand():
+    import random
+
+    from stages.core_align import pages
+
+    page = pages.index_page(32, random.Random(0))
+    content = page["content"]
+    items = [content[i:i + 4] for i in range(0, 32, 4)]
+    assert len(content) == 32 and len(items) == 8 == page["difficulty"]
+    assert all(it[:2].isalpha() and it[:2].islower() and it[2:].isdigit() for it in items)
+    assert len({it[:2] for it in items}) == 8                 # distinct keys
+    j = int(page["query"].removeprefix("item "))
+    assert page["query"] == f"item {j}" and 1 <= j <= 8
+    assert page["answer"] == page["target"] == items[j - 1][2:]
+    by_key = pages.index_page(32, random.Random(0), ask="key")
+    key = by_key["query"].removeprefix("get ")
+    assert by_key["content"] == content and by_key["answer"] == dict(
+        (it[:2], it[2:]) for it in items)[key]
+
+
+def test_pages_are_distinct_checked_and_drawn_as_the_vlm_pages(tmp_path):
+    from stages.core.checks import validate_frame
+    from stages.core_align import pages
+
+    cfg = rt.Config()
+    test = pages.generate(cfg, 5, 0, split="test")
+    train = pages.generate(cfg, 20, 0, split="train",
+                           exclude={r["content"] for r in test})
+    assert not {r["content"] for r in test} & {r["content"] for r in train}
+    assert len({r["content"] for r in train}) == 20
+    assert pages.generate(cfg, 5, 0, split="test") == test          # deterministic
+    validate_frame(pl.DataFrame(train, schema=rt.SCHEMA), pages.expectations("train"), "t")
+    # the vlm data stage's page, redrawn: the same pixels with the same geometry, a named
+    # error with another one
+    (tmp_path / "rendered_text").mkdir()
+    pl.DataFrame(rt.generate(cfg, 3, 0, split="test"), schema=rt.SCHEMA).write_parquet(
+        tmp_path / "rendered_text" / "test.parquet")
+    pages.check_geometry(cfg, tmp_path)
+    with pytest.raises(ValueError, match="font_size, cell_w"):
+        pages.check_geometry(rt.Config(font_size=8), tmp_path)
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    ({"sizes": {"train": 4, "test": 2}}, "expected exactly"),
+    ({"sizes": {"train": 4, "val": 0, "test": 2}}, "at least one page"),
+    ({"page": {"cols": 6, "rows": 3}}, "whole 4-character items"),
+])
+def test_pages_config_refuses(kwargs, named):
+    from stages.core_align import pages
+
+    with pytest.raises(ValidationError, match=named):
+        pages.Config(**{"sizes": {"train": 4, "val": 2, "test": 2}, **kwargs})
