@@ -8,8 +8,9 @@ A diagnostic behind the `cpu` profile's update budget (`pipelines/early_experien
 `train.steps`), chosen WITHOUT the test or OOD goals: the IL policy (the pipeline's `train_one`
 with the active profile's `train` section, every demonstration) is trained for each step count
 and seed, then played (the `evaluate` stage's budget, prompt and local backend) on
-**validation goals**: in-domain goals drawn with a generator seed of their own, none of them a
-train or test goal. Prints the success rate, the parse-failure rate and the training seconds.
+**validation goals**: in-domain goals drawn with a generator seed of their own over the train
+goals' (colour, category) pairs (never a held-out `ood_combo` pair), none of them a train or
+test goal. Prints the success rate, the parse-failure rate and the training seconds.
 Needs the pipeline's `shop` stage output (`paperline repro early_experience` first). With
 `--world babyai`: the `babyai_train` / `babyai_evaluate` sections, the `babyai` stage's
 demonstrations, and validation missions from level seeds of their own (`BABYAI_VAL_START`, a
@@ -28,7 +29,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-VAL_SEED = 4            # make_goals seeds: 1 train, 2 test, 3 OOD (stages/early_experience/build.py)
+# make_goals seeds: 1 train, 2 test, 3 OOD, 4 OOD combinations (stages/early_experience/build.py);
+# validation goals use 5 (4 until the held-out pairs existed, 2026-12-07) and the train pairs only
+VAL_SEED = 5
 BABYAI_VAL_START = 3_000_000   # level seeds: train 0.., test 1e6.., OOD 2e6.. (params.yaml)
 
 
@@ -68,8 +71,9 @@ def main() -> None:
     else:
         catalogue, goals = shop.read_shop(data)
         taken = set(goals["train"]) | set(goals["test"])
+        seen_pairs = sorted({(g.color, g.category) for g in goals["train"]})
         pool = shop.make_goals(catalogue, shop.IN_DOMAIN, 4 * args.n_val, VAL_SEED,
-                               ecfg.max_results)
+                               ecfg.max_results, pairs=seen_pairs)
         val = [g for g in pool if g not in taken][:args.n_val]
 
         def val_envs() -> list:
