@@ -251,11 +251,10 @@ def results_table(metrics: dict[str, dict[str, Any]]) -> str:
              "|---|---|---|" + "---|" * len(shown) + "---|---|"]
     for arm in arms:
         kinds = [m.get(f"{arm}/image_{k}") for k in shown]
-        lines.append(f"| {LABELS[arm]} | {_cell(m, f'{arm}/image', n_seeds)} | "
-                     f"{_cell(m, f'{arm}/text', n_seeds)} | "
-                     + " | ".join("—" if v is None else f"{v:.3f}" for v in kinds) + " | "
-                     f"{_cell(m, f'{arm}/image_nll', n_seeds)} | "
-                     f"{_cell(m, f'{arm}/text_nll', n_seeds)} |")
+        cells = [LABELS[arm], _cell(m, f"{arm}/image", n_seeds), _cell(m, f"{arm}/text", n_seeds),
+                 *("—" if v is None else f"{v:.3f}" for v in kinds),
+                 _cell(m, f"{arm}/image_nll", n_seeds), _cell(m, f"{arm}/text_nll", n_seeds)]
+        lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "| claim | paired 95% CI over (seed, item) pairs |", "|---|---|"]
     for name, (*_, text) in CLAIMS.items():
         c = stats.read_claim(m, f"claim/{name}")

@@ -37,7 +37,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from stages.core import io
 from stages.core_align.core import CoReGRPOParams
-from stages.core_align.sft import load_split, map_seeds, record_seeds, score_arm
+from stages.core_align.sft import (check_answer_room, load_split, map_seeds, record_seeds,
+                                  score_arm)
 from stages.models import vlm as vlm_model
 
 RL_ARMS = ("visual_grpo", "core_grpo")
@@ -46,7 +47,8 @@ RL_ARMS = ("visual_grpo", "core_grpo")
 class Config(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    data: str = Field("vlm_data", description="path key: the vlm pipeline's task folder")
+    data: str = Field("vlm_data", description="path key: rendered_text/{train,val,test}.parquet "
+                                              "(the vlm pipeline's, or the pages stage's)")
     models: str = Field("core_models", description="path key: the sft stage's <arm>/seed<k>/")
     start: Literal["text_sft", "visual_sft", "core_sft"] = Field(
         "text_sft", description="the sft arm both RL arms start from [reconstructed]")
@@ -250,6 +252,9 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     data_dir = ctx.path(cfg.data)
     train_df, train_images = load_split(data_dir, "train", cfg.kinds, size, cfg.max_train_rows)
     eval_df, eval_images = load_split(data_dir, cfg.split, cfg.kinds, size, cfg.max_eval_rows)
+    check_answer_room(first.tokenizer, [eval_df], cfg.answer_tokens, "answer_tokens")
+    check_answer_room(first.tokenizer, [train_df], cfg.grpo.max_completion_length,
+                      "grpo.max_completion_length")
     print(f"{ctx.stage}: from {cfg.start}, {train_df.height} train pages, {eval_df.height} "
           f"{cfg.split} items, arms {cfg.arms}, seeds {cfg.seeds}, {cfg.grpo.rounds} rounds x "
           f"{cfg.grpo.prompts_per_round} prompts x {cfg.grpo.num_generations}", flush=True)

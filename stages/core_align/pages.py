@@ -67,6 +67,11 @@ class Config(BaseModel):
         if self.page.capacity % (2 + VALUE_DIGITS):
             raise ValueError(f"a page of {self.page.capacity} characters (cols x rows) does "
                              f"not hold whole {2 + VALUE_DIGITS}-character items")
+        p = self.page
+        if p.cols % (2 + VALUE_DIGITS) or p.patch_size != p.cell_h or p.patch_size != 2 * p.cell_w:
+            raise ValueError(f"page cols {p.cols}, cells {p.cell_w}x{p.cell_h}, patch_size "
+                             f"{p.patch_size}: a key or a value is one visual token only with "
+                             "patch_size = cell_h = 2 x cell_w and cols a multiple of 4")
         return self
 
 
@@ -107,27 +112,35 @@ def generate(cfg: rendered_text.Config, n: int, seed: int | str, *, split: str,
     return rows
 
 
-def expectations(split: str | None = None) -> Any:
+def expectations(split: str | None = None, kinds: tuple[str, ...] = KINDS) -> Any:
     """The checks of a page split the CoRe stages read (the vlm pipeline's or this stage's):
-    the rendered-text suite, with `index` among the kinds."""
+    the rendered-text suite, with `index` among the kinds (this stage's own output: `index`
+    only)."""
     from stages.core.checks import ColumnSpec, FrameSpec
 
     spec = rendered_text.expectations(None, split)
-    return FrameSpec(columns={**spec.columns, "kind": ColumnSpec(dtype=pl.String, values=KINDS)},
+    return FrameSpec(columns={**spec.columns, "kind": ColumnSpec(dtype=pl.String, values=kinds)},
                      min_rows=spec.min_rows)
 
 
 def check_geometry(cfg: rendered_text.Config, reference: Any) -> None:
-    """The vlm data stage's first test page, redrawn with `cfg`, has its pixels exactly."""
+    """The vlm data stage's first test page, redrawn with `cfg`, has its pixels exactly, and its
+    characters, lines and visual tokens are this config's (the renderer ignores `patch_size`:
+    the visual-token count checks it)."""
     from stages.core.checks import read_parquet_checked
     from stages.tasks.images import pixel_sha
 
     path = reference / "rendered_text" / "test.parquet"
     row = read_parquet_checked(path, rendered_text.expectations(None, "test")).row(0, named=True)
-    if pixel_sha(rendered_text.render(cfg, row["content"])) != row["image_sha"]:
-        raise ValueError(f"pages.page draws {path} row {row['id']} differently: its font, "
-                         "font_size, cell_w, cell_h, cols, rows and patch_size must be the vlm "
-                         "data stage's (pipelines/vlm/params.yaml, data.rendered_text)")
+    ours = {"n_chars": cfg.capacity, "n_lines": cfg.rows, "visual_tokens": cfg.visual_tokens}
+    differ = {k: (v, row[k]) for k, v in ours.items() if row[k] != v}
+    if differ or pixel_sha(rendered_text.render(cfg, row["content"])) != row["image_sha"]:
+        what = ", ".join(f"{k} {a} here, {b} there" for k, (a, b) in differ.items())
+        raise ValueError(f"pages.page draws {path} row {row['id']} differently"
+                         + (f" ({what})" if differ else "")
+                         + ": its font, font_size, cell_w, cell_h, cols, rows and patch_size "
+                         "must be the vlm data stage's (pipelines/vlm/params.yaml, "
+                         "data.rendered_text)")
 
 
 def run(cfg: Config, ctx: Any) -> dict[str, float]:
@@ -145,7 +158,7 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
         (tmp / "rendered_text").mkdir()
         for split, rows in splits.items():
             df = pl.DataFrame(rows, schema=rendered_text.SCHEMA)
-            validate_frame(df, expectations(split), f"pages/{split}")
+            validate_frame(df, expectations(split, (KIND,)), f"pages/{split}")
             df.write_parquet(tmp / "rendered_text" / f"{split}.parquet")
     return {f"{s}_pages": float(len(r)) for s, r in splits.items()} | {
         "chars_per_visual_token": cfg.page.capacity / cfg.page.visual_tokens,

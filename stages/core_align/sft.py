@@ -132,6 +132,16 @@ def load_split(data_dir: Path, split: str, kinds: list[str], image_size: int | N
     return rows, images
 
 
+def check_answer_room(tokenizer: Any, frames: list[Any], budget: int, name: str) -> None:
+    """`budget` new tokens hold the longest target of `frames` and its eos; otherwise every
+    longer answer would be cut and scored wrong: a named error before any compute."""
+    longest = max(len(tokenizer(t, add_special_tokens=False)["input_ids"])
+                  for df in frames for t in df["target"].unique())
+    if budget < longest + 1:
+        raise ValueError(f"{name} = {budget} new tokens: the longest target takes {longest} "
+                         f"tokens + eos; raise it to at least {longest + 1}")
+
+
 def encode_pairs(vlm: vlm_model.VLM, df: Any) -> list[dict[str, Any]]:
     """Per row: text prompt ids (x_txt), image prompt ids (x_img, `<image>` expanded) and the
     response ids (y* + eos), the same tokens after both prompts (spec §6 pitfall)."""
@@ -447,6 +457,7 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     data_dir = ctx.path(cfg.data)
     train_df, train_images = load_split(data_dir, "train", cfg.kinds, size, cfg.max_train_rows)
     eval_df, eval_images = load_split(data_dir, cfg.split, cfg.kinds, size, cfg.max_eval_rows)
+    check_answer_room(first.tokenizer, [eval_df], cfg.answer_tokens, "answer_tokens")
     chars = eval_df["chars_per_token"].to_list()
     metrics: dict[str, float] = {
         "train_pairs": float(train_df.height), "eval_items": float(eval_df.height),

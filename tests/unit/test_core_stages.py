@@ -206,12 +206,43 @@ def test_pages_are_distinct_checked_and_drawn_as_the_vlm_pages(tmp_path):
     pages.check_geometry(cfg, tmp_path)
     with pytest.raises(ValueError, match="font_size, cell_w"):
         pages.check_geometry(rt.Config(font_size=8), tmp_path)
+    # the renderer ignores patch_size: the visual-token count catches it
+    with pytest.raises(ValueError, match="visual_tokens 4 here, 16 there"):
+        pages.check_geometry(rt.Config(patch_size=16), tmp_path)
+
+
+def test_load_split_reads_either_page_source_filtered_and_checked(tmp_path, page_world):
+    from stages.core_align import pages
+
+    cfg = rt.Config()
+    (tmp_path / "rendered_text").mkdir()
+    rows = rt.generate(cfg, 6, 0, split="val") + pages.generate(cfg, 4, 0, split="val")
+    pl.DataFrame(rows, schema=rt.SCHEMA).write_parquet(tmp_path / "rendered_text" / "val.parquet")
+    df, images = sft.load_split(tmp_path, "val", ["index"], 32, None)
+    assert df["kind"].to_list() == ["index"] * 4 and len(images) == 4
+    assert images[0].shape == (32, 32)                  # mode L, the model's size
+    df, images = sft.load_split(tmp_path, "val", ["kv", "table"], 32, 3)
+    assert set(df["kind"]) <= {"kv", "table"} and df.height == len(images) == 3
+    with pytest.raises(ValueError, match="no rows of kinds"):
+        sft.load_split(tmp_path, "val", ["nothing"], 32, None)
+    with pytest.raises(Exception, match="32x32|size"):
+        sft.load_split(tmp_path, "val", ["index"], 64, None)
+
+
+def test_answer_room_is_checked_before_compute(page_world):
+    tok = page_world["vlm"].tokenizer
+    df = pl.DataFrame({"target": ["04", "23+45=68 #### 68"]})
+    longest = len(tok("23+45=68 #### 68", add_special_tokens=False)["input_ids"])
+    sft.check_answer_room(tok, [df], longest + 1, "answer_tokens")
+    with pytest.raises(ValueError, match=f"answer_tokens = {longest}.*at least {longest + 1}"):
+        sft.check_answer_room(tok, [df], longest, "answer_tokens")
 
 
 @pytest.mark.parametrize("kwargs, named", [
     ({"sizes": {"train": 4, "test": 2}}, "expected exactly"),
     ({"sizes": {"train": 4, "val": 0, "test": 2}}, "at least one page"),
     ({"page": {"cols": 6, "rows": 3}}, "whole 4-character items"),
+    ({"page": {"patch_size": 16}}, "one visual token only with"),
 ])
 def test_pages_config_refuses(kwargs, named):
     from stages.core_align import pages
