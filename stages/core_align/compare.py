@@ -242,6 +242,7 @@ def results_table(metrics: dict[str, dict[str, Any]]) -> str:
     n_seeds = int(m.get("seeds", 0))
     arms = [a for a in ARM_ORDER if f"{a}/image_mean" in m]
     shown = [k for k in KINDS if any(f"{a}/image_{k}" in m for a in arms)]
+    shown = shown if len(shown) > 1 else []      # one kind: its column is the page's accuracy
     lines = [f"Test split ({int(m.get('items', 0))} items), greedy answers, mean ± std over "
              f"{n_seeds} `vlm-text` seeds; {m.get('chars_per_visual_token', math.nan):.1f} "
              f"characters per visual token (compression ratio).", "",
