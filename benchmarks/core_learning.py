@@ -8,6 +8,8 @@ it take?
         --fresh 30000
     .venv/bin/python benchmarks/core_learning.py --steps 1500 --page index --fresh 30000 \
         --arms text_sft visual_sft core_sft --seed 1
+    .venv/bin/python benchmarks/core_learning.py --steps 1000 --page index --fresh 16000 \
+        --arms visual_sft core_sft --core 1,1 0,1 1,0 --seed 0
 
 A diagnostic behind the `cpu` profile of `pipelines/core/params.yaml` (`sft`), chosen WITHOUT
 the test split: each (arm, kinds, steps, lr) trains the sft stage's own loop (`train_arm`, one
@@ -28,6 +30,8 @@ picks the checkpoint and the batch order). Each (steps, lr) is a run of its own,
 warm-up and cosine schedule. Printed per run: the final training loss (the mean of the last
 tenth of the steps) and its parts (CoRe-SFT: `ce_img`, `ce_txt`, `match`), the accuracy on the
 arm's own input (text SFT: the text; visual SFT and CoRe-SFT: the page) and on the other one.
+`--core lam,mu ...` runs CoRe-SFT once per weight pair (the ablations: lam 0 drops the matching
+term, mu 0 the CE on the text).
 Needs the vlm pipeline's `data` and
 `train_text` outputs (`paperline repro vlm`).
 """
@@ -105,6 +109,7 @@ def main() -> None:
     import torch
 
     from stages.core_align import sft
+    from stages.core_align.core import CoReParams
     from stages.models import vlm as vlm_model
 
     ap = argparse.ArgumentParser()
@@ -114,6 +119,9 @@ def main() -> None:
                     help="comma-separated kinds trained and scored together, per run "
                          "(default kv,arith,table; with --page aligned|index: kv)")
     ap.add_argument("--arms", nargs="+", default=["text_sft"])
+    ap.add_argument("--core", nargs="+", default=["1,1"],
+                    help="CoRe-SFT's lam,mu pairs, one run each (lam = 0: no matching term; "
+                         "mu = 0: no CE on the text)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-eval", type=int, default=200)
     ap.add_argument("--fresh", type=int, default=0, help="train on this many new pages")
@@ -123,6 +131,13 @@ def main() -> None:
     args = ap.parse_args()
     if args.fresh < 0 or args.max_eval < 1:
         ap.error("--fresh must be >= 0 and --max-eval >= 1")
+    try:
+        variants = [tuple(float(x) for x in v.split(",")) for v in args.core]
+        CoReParams(lam=variants[0][0], mu=variants[0][1])
+        if any(len(v) != 2 or min(v) < 0 for v in variants):
+            raise ValueError
+    except (ValueError, IndexError):
+        ap.error(f"--core {args.core}: want lam,mu pairs of non-negative numbers, e.g. 0,1")
     if args.kinds is None:
         args.kinds = ["kv,arith,table"] if args.page == "vlm" else ["kv"]
     if args.page != "vlm" and (not args.fresh or args.kinds != ["kv"]):
@@ -161,12 +176,15 @@ def main() -> None:
         first = vlm_model.load_vlm(model_dir)     # the same processor and tokenizer every run
         pixels = vlm_model.pixel_values(first.processor, train_images)
         pairs = sft.encode_pairs(first, train_df)
-        for arm in args.arms:
+        runs = [(arm, v) for arm in args.arms
+                for v in (variants if arm == "core_sft" else [(1.0, 1.0)])]
+        for arm, (lam, mu) in runs:
+            label = f"{arm} (lam {lam:g}, mu {mu:g})" if arm == "core_sft" else arm
             for steps in args.steps:
                 for lr in args.lr:
                     cfg = sft.Config(seeds=[args.seed], arms=[arm], kinds=kl, steps=steps, lr=lr,
                                      split="val", log_every=max(1, steps // 10),
-                                     num_threads=1)
+                                     num_threads=1, core=CoReParams(lam=lam, mu=mu))
                     vlm = vlm_model.load_vlm(model_dir)
                     t = time.perf_counter()
                     m = sft.train_arm(cfg, arm, vlm, pairs, pixels, args.seed)
@@ -186,7 +204,7 @@ def main() -> None:
                     parts = ", ".join(f"{k} {m[f'final_{k}']:.3f}"
                                       for k in ("ce_img", "ce_txt", "match")
                                       if f"final_{k}" in m) if arm == "core_sft" else ""
-                    print(f"| {arm} | {kinds} | {steps} | {lr:g} | {loss:.3f} | {parts} | "
+                    print(f"| {label} | {kinds} | {steps} | {lr:g} | {loss:.3f} | {parts} | "
                           f"{fit['acc_' + own]:.3f} | {acc['acc_' + own]:.3f} | "
                           f"{acc['acc_' + other]:.3f} | "
                           + ", ".join(f"{k} {v:.2f}" for k, v in by_kind.items())
