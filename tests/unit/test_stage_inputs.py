@@ -115,7 +115,10 @@ INPUTS: dict[str, Callable[[], FrameSpec]] = {
     "vlm/rendered_text pages": _attr("stages.tasks.rendered_text", "expectations", None, "train"),
     "gift/captions (compare)": _attr("stages.gift.decode", "captions_spec"),
     "gift/pope (compare)": _attr("stages.gift.decode", "pope_spec"),
-    # core compare: the sft stage's answers (core sft reads through train.vlm.load_family)
+    # core sft / grpo (sft.load_split): a page split, the vlm pipeline's or the pages stage's
+    # (kind index too); pages also reads the vlm test split (rendered-text suite, above)
+    "core/pages (sft, grpo)": _attr("stages.core_align.pages", "expectations", "train"),
+    # core compare: the sft stage's answers
     "core/answers (compare)": _attr("stages.core_align.sft", "answers_spec"),
     # same train.read_split: each task's splits; same compare: train's runs and matrix
     "same/task split (train)": _attr("stages.tasks.shapes_tasks", "expectations", None, "many",
@@ -259,6 +262,7 @@ def test_every_reading_module_is_covered():
                "stages/maps/workload.py", "stages/agents/trajectories.py",
                "stages/train/vlm.py", "stages/gift/compare.py", "stages/bridgevlm/train.py",
                "stages/bridgevlm/compare.py", "stages/core_align/compare.py",
+               "stages/core_align/sft.py", "stages/core_align/pages.py",
                "stages/same/train.py", "stages/same/compare.py",
                "stages/ddr/expert.py", "stages/ddr/explore.py", "stages/ddr/score.py",
                "stages/plugmem/train.py", "stages/plugmem/structure.py",
