@@ -1,17 +1,16 @@
-"""Stage `pages` of CoRe: key->value pages asked by position, the one retrieval the `cpu`
-substrate learns in budget (README, "A retrieval this model can learn").
+"""Stage `pages` of CoRe: key->value pages asked by position, the retrieval the tiny `cpu`
+substrate can learn in budget.
 
-The vlm pipeline's rendered-text pages (`kv`, `arith`, `table`, stages/tasks/rendered_text.py)
-stay at the floor for every CoRe arm at `cpu`: 400 steps of text SFT answer 1% of them from the
-text. `benchmarks/core_learning.py` found what the tiny `vlm-text` family does learn: a page of
-token-aligned items (every key and every value exactly one pair token, one visual token),
+A page of token-aligned items (every key and every value exactly one pair token, one visual
+token), asked by position (`item j` -> the j-th item's value) or, with `ask: key`, by key
+(`get cd`):
 
     index   ab17cd04ef99gh23ij50kl07mn61op38    query  item 2     target  04
 
-asked by position (`item j` -> the j-th item's value). Asked by key (`get cd`, `ask: key`) it
-stays near 1/8 on both inputs at 3,000 steps; by position the page branch learns it first (the
-opposite of the paper's transfer failure). So the `cpu` profile's CoRe arms train and answer
-these pages (kind `index`); the `gpu` profile keeps the vlm pipeline's kinds.
+Why these pages and not the vlm pipeline's kinds (`kv`, `arith`, `table`,
+stages/tasks/rendered_text.py) at `cpu`: the pipeline README, "How the profile got here", with
+the measurements of `benchmarks/core_learning.py` that led here. The `cpu` and `smoke` profiles'
+CoRe arms train and answer these pages (kind `index`); the `gpu` profile keeps the vlm kinds.
 
 The pages are drawn exactly as the vlm pipeline draws its pages (the same renderer and page
 geometry, `page` here): before anything is written, the first test page of the vlm data stage is

@@ -225,8 +225,10 @@ def test_load_split_reads_either_page_source_filtered_and_checked(tmp_path, page
     assert set(df["kind"]) <= {"kv", "table"} and df.height == len(images) == 3
     with pytest.raises(ValueError, match="no rows of kinds"):
         sft.load_split(tmp_path, "val", ["nothing"], 32, None)
-    with pytest.raises(Exception, match="32x32|size"):
-        sft.load_split(tmp_path, "val", ["index"], 64, None)
+    from stages.tasks.images import ImageValidationError
+
+    with pytest.raises(ImageValidationError, match="val.parquet: row index-val-000000"):
+        sft.load_split(tmp_path, "val", ["index"], 64, None)     # 32x32 pages, a 64 model
 
 
 def test_answer_room_is_checked_before_compute(page_world):
