@@ -43,7 +43,7 @@ def main() -> None:
     from stages.core.runner import load_params
     from stages.early_experience import babyai, shop
     from stages.early_experience.evaluate import Config as EvalConfig
-    from stages.early_experience.train import Config as TrainConfig, train_one
+    from stages.early_experience.train import Config as TrainConfig, train_one, world_tokenizer
     from stages.models.backend import make_backend
 
     ap = argparse.ArgumentParser()
@@ -81,21 +81,22 @@ def main() -> None:
     episodes, steps = read_rollouts(data / "expert")
     il = il_examples(episodes, steps)
     train_data: dict = {"il": il}
+    import polars as pl
+    import yaml
+
+    from stages.core.checks import read_parquet_checked
+    from stages.early_experience.experience import dpo_pairs, experience_spec
+
+    folder = ROOT / "pipelines/early_experience"
+    paths = yaml.safe_load((folder / "params.yaml").read_text())["paths"]
+    exp = read_parquet_checked(folder / paths[tcfg.experience], experience_spec())
+    ok = sorted(int(s.split("/")[1]) for s in
+                episodes.filter(pl.col("success"))["episode_id"].to_list())
+    rows = exp.filter(pl.col("episode").is_in(ok)).to_dicts()
+    # the `train` stage's tokenizer: learnt on every arm's texts (`world_tokenizer`)
+    tok_json = world_tokenizer(tcfg, il, rows)
     if args.arm == "dpo":
-        import polars as pl
-
-        from stages.core.checks import read_parquet_checked
-        from stages.early_experience.experience import dpo_pairs, experience_spec
-
-        import yaml
-
-        folder = ROOT / "pipelines/early_experience"
-        paths = yaml.safe_load((folder / "params.yaml").read_text())["paths"]
-        exp = read_parquet_checked(folder / paths[tcfg.experience], experience_spec())
-        ok = sorted(int(s.split("/")[1]) for s in
-                    episodes.filter(pl.col("success"))["episode_id"].to_list())
-        train_data["dpo"] = dpo_pairs(exp.filter(pl.col("episode").is_in(ok)).to_dicts(),
-                                      tcfg.prompt, tcfg.k)
+        train_data["dpo"] = dpo_pairs(rows, tcfg.prompt, tcfg.k)
     budget = Budget(max_steps=ecfg.max_steps, max_new_tokens=ecfg.max_new_tokens,
                     max_failures=ecfg.max_failures)
     print(f"profile {profile}, {args.world}: {args.arm} on {len(il[0])} expert turns, "
@@ -108,7 +109,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             cfg = tcfg.model_copy(update={"steps": n, "dpo_lr": dpo_lr or tcfg.dpo_lr})
             m = train_one({"cfg": cfg.model_dump(), "arm": args.arm, "seed": seed,
-                           "data": train_data, "out": str(Path(tmp) / "il"),
+                           "data": train_data, "tokenizer": tok_json,
+                           "out": str(Path(tmp) / "il"),
                            "threads": 1})
             agent = ModelAgent(make_backend(ecfg.policy.model_copy(
                 update={"model": str(Path(tmp) / "il")}), root=ROOT), name="il")

@@ -9,7 +9,8 @@ filled in (one served model per trained policy).
 Every arm plays the SAME goals (episode `<split>/<goal>`), so success is paired per episode
 across arms as well as per seed; `compare` pairs per seed (the house rule: the seed is the unit
 that varies the training). Budget, every arm: `max_steps` turns of at most `max_new_tokens`
-characters (room for the reflection an SR policy writes before its action).
+tokens of the policy's own tokenizer (room for the reflection an SR policy writes before its
+action).
 
 `<paths.ee_runs>`: rollouts/ (stages.agents.trajectories, episode ids
 `<setting>/s<seed>/<split>/<goal>`) and success.parquet (setting, seed, split, goal, success).
@@ -81,6 +82,15 @@ def split_envs(cfg: Config, source: Any, split: str) -> list[Any]:
     return shop.envs_for(catalogue, goals[split], split, cfg.max_results)
 
 
+def check_splits(cfg: Config, source: Any) -> None:
+    """Every split the policies play has goals (missions), or a ValueError naming the split:
+    an empty one would leave its success rate undefined (0 / 0)."""
+    for split in eval_splits(cfg.world):
+        if not split_envs(cfg, Path(source), split):
+            raise ValueError(f"{cfg.world} evaluate: {source} has no `{split}` goals (an output "
+                             f"of an older `{cfg.source}` stage? rerun it)")
+
+
 def _agent(cfg: Config, root: Any, policies: Any, setting: str, seed: int) -> ModelAgent:
     bc = cfg.policy
     if bc.kind == "local":
@@ -129,7 +139,7 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     from stages.core.pool import map_jobs
 
     source = ctx.path(cfg.source)
-    split_envs(cfg, source, "test")       # the goals read and checked before any model loads
+    check_splits(cfg, source)             # the goals read and checked before any model loads
     # the settings and seeds `train` trained (its section, the active profile applied)
     tcfg = TrainConfig.model_validate(section_for(ctx.params, cfg.train_section, ctx.profile,
                                                   "params.yaml"))

@@ -19,6 +19,14 @@ at its own peak learning rate `dpo_lr` (None: lr / 3). DPO tolerates far less th
 lr / 3 = 1e-3 the arm broke its own output format (most turns unparsable), so params.yaml sets
 1e-5, chosen on validation goals (pipelines/early_experience/README.md, "Deviations").
 
+Tokens: `tokenizer: chars` gives every character a token (the project's default);
+`tokenizer: bpe` learns subwords on the world's own text once per stage (`world_tokenizer`:
+every arm's demonstrations, next pages, reflections and rejected actions; at most
+`vocab_size` tokens, every printable character kept, so an unseen word is spelt, never
+`<unk>`), and every arm trains with that one vocabulary. The shop's prompts are ~2.7x fewer
+subwords than characters, so an update costs about a third of the compute
+(pipelines/early_experience/README.md, "Deviations").
+
 Settings: the main one (all demonstrations, K = `k`) for every arm; with `fractions`, every arm
 also on the first fraction of the demonstrations (the data-efficiency curve; their experience
 is that of the same episodes); with `k_sweep`, iwm and sr also at each K. A setting's name is
@@ -32,7 +40,7 @@ from __future__ import annotations
 import copy
 import math
 import string
-from typing import Any
+from typing import Any, Literal
 
 import polars as pl
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -74,7 +82,13 @@ class Config(BaseModel):
     num_layers: int = Field(2, ge=1, le=64)
     num_heads: int = Field(4, ge=1, le=64)
     intermediate_size: int = Field(128, ge=16, le=16384)
-    max_positions: int = Field(384, ge=64, le=8192, description="context, characters + 2")
+    max_positions: int = Field(384, ge=64, le=8192, description="context in tokens, with "
+                               "<bos> and <eos>")
+    tokenizer: Literal["chars", "bpe"] = Field(
+        "chars", description="`chars`: one token per character; `bpe`: subwords learnt on the "
+        "world's demonstrations and experience, the same for every arm (stages/models/subword.py)")
+    vocab_size: int = Field(512, ge=104, le=65_536, description="`bpe`: at most this many "
+                            "tokens (the printable characters and 4 specials included)")
     prompt: PromptFormat
     num_threads: int = Field(0, ge=0, le=256, description="torch threads (workers = 1)")
     workers: int = Field(1, ge=1, le=64, description="models trained at once, one process "
@@ -118,6 +132,28 @@ def settings(cfg: Config) -> list[tuple[str, str, float, int]]:
     out += [(f"{a}@k{k}", a, 1.0, k) for k in cfg.k_sweep if k != cfg.k
             for a in cfg.arms if a in ("iwm", "sr")]
     return out
+
+
+def world_tokenizer(cfg: Config, il: tuple[list[str], list[str]],
+                    rows: list[dict[str, Any]]) -> str:
+    """The tokenizer every arm of a world trains with, as JSON (`stages.models.subword`).
+    `bpe`: merges learnt on the main setting's texts of all four arms (the demonstrations'
+    turns, the K alternatives' next pages, the reflections, the rejected actions): one
+    vocabulary per world, like a pretrained tokenizer, so every arm has the same model shape
+    and reads the same pieces; a word none of them has is spelt in characters."""
+    from stages.models import subword
+    from stages.models.tokenizer import build_tokenizer
+
+    if cfg.tokenizer == "chars":
+        return subword.to_json(build_tokenizer(CHARS))
+    texts = [p + t for p, t in zip(*il)]
+    for p, t in zip(*iwm_examples(rows, cfg.prompt, cfg.k)):
+        texts.append(p + t)
+    for p, t in zip(*sr_examples(rows, cfg.prompt, cfg.k)):
+        texts.append(p + t)
+    for p, c, r in zip(*dpo_pairs(rows, cfg.prompt, cfg.k)):
+        texts += [p + c, p + r]
+    return subword.to_json(subword.train_bpe(texts, CHARS, cfg.vocab_size))
 
 
 def split_updates(steps: int, share: float) -> tuple[int, int]:
@@ -195,14 +231,13 @@ def train_one(job: dict[str, Any]) -> dict[str, float]:
 
     import torch
 
-    from stages.models import base
-    from stages.models.tokenizer import build_tokenizer
+    from stages.models import base, subword
     from stages.train.sft import sft
 
     t0 = time.perf_counter()
     cfg, arm, seed, data = Config.model_validate(job["cfg"]), job["arm"], job["seed"], job["data"]
     base.set_threads(job["threads"])
-    tokenizer = build_tokenizer(CHARS)
+    tokenizer = subword.from_json(job["tokenizer"])     # `world_tokenizer`
     torch.manual_seed(seed)
     model = base.build_model(base.Config(
         hidden_size=cfg.hidden_size, num_layers=cfg.num_layers, num_heads=cfg.num_heads,
@@ -243,12 +278,16 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
     if wanted > largest_k:
         raise ValueError(f"train: K = {wanted} asked but the experience stage drew at most "
                          f"{largest_k} alternatives per state (raise experience.k)")
-    from stages.models.tokenizer import build_tokenizer
+    from stages.models import subword
 
-    tokenizer = build_tokenizer(CHARS)
     demo_ids = sorted(episodes.filter(pl.col("success"))["episode_id"].to_list(),
                       key=lambda s: int(s.split("/")[1]))
-    out: dict[str, float] = {"updates": float(cfg.steps), "demos": float(len(demo_ids))}
+    ok_eps = sorted(int(s.split("/")[1]) for s in demo_ids)
+    tok_json = world_tokenizer(cfg, il_examples(episodes.filter(pl.col("episode_id").is_in(
+        demo_ids)), steps), exp.filter(pl.col("episode").is_in(ok_eps)).to_dicts())
+    tokenizer = subword.from_json(tok_json)
+    out: dict[str, float] = {"updates": float(cfg.steps), "demos": float(len(demo_ids)),
+                             "vocab_size": float(len(tokenizer))}
     root = ctx.path(cfg.out)
     jobs = []
     with io.atomic_path(root, is_dir=True) as tmp:
@@ -280,7 +319,8 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
                 out[f"{name}/dpo_pairs"] = float(len(data["dpo"][0]))
             for seed in cfg.seeds:
                 jobs.append((name, seed, {"cfg": cfg.model_dump(), "arm": arm, "seed": seed,
-                                          "data": data, "out": str(tmp / name / f"s{seed}"),
+                                          "data": data, "tokenizer": tok_json,
+                                          "out": str(tmp / name / f"s{seed}"),
                                           "threads": cfg.num_threads if cfg.workers == 1
                                           else 1}))
         # one model per process: at this size two 1-thread processes beat one 2-thread one

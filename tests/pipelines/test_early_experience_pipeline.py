@@ -71,6 +71,22 @@ def test_equal_updates_compare_and_readme(ee_repo: Path):
     assert "OOD (unseen colour × category)" in block
 
 
+def test_every_arm_reads_the_worlds_one_subword_vocabulary(ee_repo: Path):
+    """`tokenizer: bpe`: one tokenizer per world, learnt in `train`, saved with every policy."""
+    from transformers import AutoTokenizer
+
+    for world, folder, text in (("train", "models/policies", "Task: red hat, size M, max $20"),
+                                ("babyai_train", "models/babyai_policies",
+                                 "Task: go to the red ball")):
+        saved = {(ee_repo / P / folder / arm / "s0/tokenizer.json").read_bytes() for arm in ARMS}
+        assert len(saved) == 1, world
+        tok = AutoTokenizer.from_pretrained(str(ee_repo / P / folder / "il/s0"))
+        assert len(tok) == io.read_metrics(ee_repo / P / f"details/{world}.json")["vocab_size"]
+        assert len(tok) > 4 + 95                                  # merges over the characters
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        assert len(ids) < len(text) / 2 and tok.unk_token_id not in ids, world
+
+
 def test_every_arm_registered_with_its_alias(ee_repo: Path):
     client = mlflow_client(ee_repo)
     for arm in ARMS:

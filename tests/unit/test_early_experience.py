@@ -131,6 +131,14 @@ def test_shop_round_trips_through_the_checked_reads(tmp_path: Path):
              "ood_combo": [shop.Goal("shirt", "red", "S", 20)]}
     shop.write_shop(tmp_path, cat, goals)
     assert shop.read_shop(tmp_path) == (cat, goals)
+    from stages.early_experience.evaluate import Config as EvalConfig, check_splits
+
+    ecfg = EvalConfig(prompt=FMT, policy={"kind": "local", "model": "ee_policies"})
+    check_splits(ecfg, tmp_path)
+    # a shop folder from before the `ood_combo` split: named, not a 0 / 0 after the rollouts
+    shop.write_shop(tmp_path, cat, {**goals, "ood_combo": []})
+    with pytest.raises(ValueError, match="no `ood_combo` goals"):
+        check_splits(ecfg, tmp_path)
 
 
 def test_one_step_branches_leave_the_expert_state_and_never_repeat_the_expert():
