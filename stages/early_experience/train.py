@@ -146,13 +146,14 @@ def world_tokenizer(cfg: Config, il: tuple[list[str], list[str]],
 
     if cfg.tokenizer == "chars":
         return subword.to_json(build_tokenizer(CHARS))
-    texts = [p + t for p, t in zip(*il)]
-    for p, t in zip(*iwm_examples(rows, cfg.prompt, cfg.k)):
-        texts.append(p + t)
-    for p, t in zip(*sr_examples(rows, cfg.prompt, cfg.k)):
-        texts.append(p + t)
-    for p, c, r in zip(*dpo_pairs(rows, cfg.prompt, cfg.k)):
-        texts += [p + c, p + r]
+    # prompts and replies apart, as `encode_sft_rows` and generation encode them: a prompt
+    # ends in the separator's space, a reply starts with its first word (`Action`), and the
+    # merges are learnt on those pieces, not on the pair glued together
+    texts: list[str] = []
+    for part in (il, iwm_examples(rows, cfg.prompt, cfg.k), sr_examples(rows, cfg.prompt, cfg.k),
+                 dpo_pairs(rows, cfg.prompt, cfg.k)):
+        for column in part:
+            texts += column
     return subword.to_json(subword.train_bpe(texts, CHARS, cfg.vocab_size))
 
 

@@ -4,9 +4,10 @@ The project's default tokenizer (`stages.models.tokenizer`) gives every characte
 text made of a small closed vocabulary (an agent's goals, pages and actions) that spends most of
 a tiny model's compute on spelling: `Task: grey hat, size L, max $10 | Observation: search page`
 is 60 characters but 20 words and symbols. Byte-pair encoding (Sennrich, Haddow & Birch 2016,
-arXiv 1508.07909) merges the most frequent adjacent pieces until `vocab_size` is reached or no
-pair repeats, so the frequent words become one token each and the model reads ~3x shorter
-sequences.
+arXiv 1508.07909) merges the most frequent adjacent pieces until `vocab_size` is reached or
+every piece is whole (on a small closed vocabulary every word then is one token, even a word
+seen once), so the model reads ~3x shorter sequences. Learn it on the texts as they will be
+encoded: a prompt and its completion apart, if training encodes them apart.
 
 What is kept from the character tokenizer, so nothing downstream changes:
 - every printable character is in the vocabulary as a token of its own (`alphabet`): a word
@@ -21,8 +22,9 @@ What is kept from the character tokenizer, so nothing downstream changes:
 
 Saved with the model (`save_pretrained`, a `tokenizer.json` any `AutoTokenizer` loads offline);
 `to_json` / `from_json` move it between processes as one string. The learnt merges depend only
-on the texts and their order (`tokenizers` runs single-threaded here: TOKENIZERS_PARALLELISM is
-false in every entry point), which `test_subword.py` checks.
+on the texts: `tokenizers` sums the word and pair counts and breaks ties by pair id, so neither
+its thread count nor Python's hash seed changes them (`test_subword.py` trains in two processes
+with different hash seeds and thread settings and compares the JSON).
 """
 
 from __future__ import annotations

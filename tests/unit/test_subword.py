@@ -38,8 +38,8 @@ def test_frequent_words_merge_digits_and_unseen_words_do_not(tok):
                                        ["input_ids"])
     assert pieces == ["Task", ":", " grey", " hat", ",", " max", " $", "1", "0"]
     # a word the texts never had is spelt from the alphabet, never <unk>
-    unseen = tok.convert_ids_to_tokens(tok(" scarf~", add_special_tokens=False)["input_ids"])
-    assert "".join(unseen) == " scarf~" and len(unseen) > 1
+    unseen = tok.convert_ids_to_tokens(tok(" scarf", add_special_tokens=False)["input_ids"])
+    assert "".join(unseen) == " scarf" and len(unseen) > 1
     # no merge crosses a word boundary: "hat," stays two pieces, " grey hat" two
     assert all(" " not in p[1:] for p in tok.get_vocab())
     assert not any(c.isdigit() and len(p) > 1 for p in tok.get_vocab() for c in p)
@@ -55,12 +55,40 @@ def test_specials_bos_and_the_character_tokenizers_conventions(tok):
     assert len(tok) <= 200 and len(tok) > len(ALPHABET) + 4
 
 
-def test_same_texts_same_tokenizer_and_json_round_trip(tok):
+def test_same_texts_same_tokenizer_json_and_saved_round_trips(tok, tmp_path):
     again = subword.train_bpe(TEXTS, ALPHABET, 200)
     assert subword.to_json(again) == subword.to_json(tok)
     back = subword.from_json(subword.to_json(tok))
     s = "Task: red bag | Action: buy"
     assert back(s)["input_ids"] == tok(s)["input_ids"]
+    # what generation loads: save_pretrained, then AutoTokenizer offline
+    from transformers import AutoTokenizer
+
+    tok.save_pretrained(str(tmp_path))
+    loaded = AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)
+    assert loaded(s)["input_ids"] == tok(s)["input_ids"] and loaded.decode(
+        loaded(s, add_special_tokens=False)["input_ids"]) == s
+
+
+def test_merges_do_not_depend_on_hash_seed_or_threads():
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = ("import json, string, sys; from stages.models import subword; "
+            "texts = json.loads(sys.stdin.read()); "
+            "alpha = set(string.printable) - set('\\t\\r\\n\\x0b\\x0c'); "
+            "print(subword.to_json(subword.train_bpe(texts, alpha, 200)))")
+    outs = set()
+    for seed, par in (("1", "false"), ("2", "true")):
+        env = {**os.environ, "PYTHONHASHSEED": seed, "TOKENIZERS_PARALLELISM": par,
+               "RAYON_NUM_THREADS": "2"}
+        proc = subprocess.run([sys.executable, "-c", code], input=json.dumps(TEXTS), env=env,
+                              capture_output=True, text=True, check=True)
+        outs.add(proc.stdout)
+    assert len(outs) == 1
+    assert outs.pop().strip() == subword.to_json(subword.train_bpe(TEXTS, ALPHABET, 200))
 
 
 def test_a_vocabulary_below_the_alphabet_is_refused_by_name():
@@ -69,8 +97,9 @@ def test_a_vocabulary_below_the_alphabet_is_refused_by_name():
 
 
 def test_early_experience_world_tokenizer_is_shared_and_shorter():
-    """One vocabulary per world from every arm's texts: the IWM page, the SR reflection and
-    the rejected DPO action are single pieces too, and the character setting is unchanged."""
+    """One vocabulary per world from every arm's texts, learnt on prompts and replies apart
+    (as training and generation encode them): the reply's first word is one piece, and the
+    IWM page, the SR reflection and the rejected DPO action are single pieces too."""
     from stages.agents.react import PromptFormat
     from stages.early_experience.train import Config, world_tokenizer
 
@@ -79,8 +108,7 @@ def test_early_experience_world_tokenizer_is_shared_and_shorter():
     rows = [{"prompt": prompt, "expert_call": "search[grey bag]", "j": j, "call": c, "next": n,
              "reflection": r}
             for j, c, n, r in ((0, "search[grey bag]", "grey bag: 1 $40 S", ""),
-                               (1, "search[red hat]", "red hat: 1 $10 M",
-                                "that lists red hat; need grey bag"))] * 10
+                               (1, "back", "item grey bag $60 S", "that lists it; need S"))] * 10
     il = ([prompt] * 10, ["Action: search[grey bag]"] * 10)
     base = dict(arms=["il", "iwm"], seeds=[0, 1], steps=4, prompt=fmt, k=1)
     bpe = subword.from_json(world_tokenizer(Config(**base, tokenizer="bpe"), il, rows))
@@ -88,5 +116,8 @@ def test_early_experience_world_tokenizer_is_shared_and_shorter():
     assert len(chars) == 4 + len(ALPHABET)
     assert len(bpe(prompt)["input_ids"]) < len(chars(prompt)["input_ids"]) / 2
     vocab = bpe.get_vocab()
-    assert {" lists", " red", " need"} <= set(vocab)       # from the reflection / alternative
+    # "Action" starts every reply: whole when learnt apart (glued to the prompt it would be
+    # " Action", and the reply's first word would be spelt)
+    assert {"Action", "Observation", "Thought"} <= set(vocab)
+    assert {" item", " lists", " back"} <= set(vocab)     # IWM page, reflection, rejected call
     assert bpe.decode(bpe(prompt, add_special_tokens=False)["input_ids"]) == prompt
