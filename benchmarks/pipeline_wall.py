@@ -146,7 +146,10 @@ def main() -> None:
             "pipeline's last `paperline repro` (= `make run PIPELINE=<slug>`) from its outputs "
             "absent, the shared stages already built, read from the MLflow runs (parent run = "
             "the whole `dvc repro`; stage runs = the stage processes; the latest run that ran every "
-            "stage; a cheap stage that was up to date counts with its own latest time). 2 cores."
+            "stage; a cheap stage that was up to date counts with its own latest time). 2 cores. "
+            "Rows of different dates may come from different machines of the same size but not "
+            "the same speed: compare a pipeline across rows only with a side-by-side measure "
+            "of the two machines (the pipeline's README says where one was taken)."
             "\n\n"
             + "\n".join(lines) + "\n")
     print(body)
