@@ -57,26 +57,33 @@ def il_examples(episodes: pl.DataFrame, steps: pl.DataFrame, *, only_success: bo
 
 def check_examples(tokenizer: Any, prompts: list[str], targets: list[str],
                    max_len: int) -> int:
-    """Raise ValueError on an example longer than `max_len` tokens (with <bos> and <eos>) or
-    with characters the tokenizer maps to <unk>; returns the longest length."""
+    """Raise ValueError on an example longer than `max_len` tokens or with characters the
+    tokenizer maps to <unk>; returns the longest length. Lengths are counted as training
+    encodes the example (`stages.models.base.encode_sft_rows`: `<bos> prompt`, then
+    `target <eos>`, each encoded apart): a subword tokenizer can spell the two apart in more
+    tokens than the text glued together, and training would cut the difference silently."""
+    from stages.models.base import encode_sft_rows
+
     if not prompts:
         raise ValueError("imitation learning: no example to train on (no successful episode, "
                          "or every turn failed)")
     unk = tokenizer.unk_token_id
     longest = 0
-    for k, (p, t) in enumerate(zip(prompts, targets, strict=True)):
-        enc = tokenizer(p + t, add_special_tokens=False, return_offsets_mapping=unk is not None)
-        n = len(enc["input_ids"]) + 2
+    rows = encode_sft_rows(tokenizer, prompts, targets, max_len=1 << 30)   # nothing cut
+    for k, (p, t, row) in enumerate(zip(prompts, targets, rows, strict=True)):
+        n = len(row["input_ids"])
         longest = max(longest, n)
         if n > max_len:
             raise ValueError(f"imitation example {k} is {n} tokens, over the model's context of "
                              f"{max_len}: shorten prompts (PromptFormat.window / "
                              f"max_prompt_chars) or use a longer model. Prompt: {p[:120]!r}")
-        if unk is not None and unk in enc["input_ids"]:
-            text = p + t
-            chars = sorted({text[a:b] for i, (a, b) in zip(enc["input_ids"],
-                                                           enc["offset_mapping"]) if i == unk})
-            raise ValueError(f"imitation example {k}: characters {chars} are not in the "
+        if unk is not None and unk in row["input_ids"]:
+            chars = set()
+            for text in (p, t):
+                enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+                chars |= {text[a:b] for i, (a, b) in zip(enc["input_ids"], enc["offset_mapping"])
+                          if i == unk}
+            raise ValueError(f"imitation example {k}: characters {sorted(chars)} are not in the "
                              "tokenizer's vocabulary (they would train as <unk>); e.g. use "
                              "PromptFormat(sep=' | ') for a tokenizer without a newline")
     return longest

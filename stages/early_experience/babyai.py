@@ -4,7 +4,8 @@ BabyAI (Chevalier-Boisvert et al., "BabyAI: A Platform to Study the Sample Effic
 Grounded Language Learning", arXiv 1810.08272) as PyPI's `minigrid` ships it: a grid world,
 a mission in words ("go to the red ball") and a partial, egocentric 7x7 view. The level here is
 `BabyAI-GoToLocalS8N3-v0` [ours]: one 8x8 room, 3 objects (balls, boxes and keys of 6
-colours), one of them the target. Success is minigrid's own verifier: the agent faces the target, next to it.
+colours), one of them the target. Success is minigrid's own verifier: the agent faces the
+target, next to it.
 
 The agent reads text, never the grid. `describe(view)` turns the egocentric view into one line,
 objects nearest first, each with its offset from the agent (cells ahead, cells to the left or

@@ -19,11 +19,17 @@ success rate; every arm played the same goals, so each seed's pair is also paire
                                     fraction of the demonstrations vs IL on all of them; "with
                                     1/8 of the demonstrations, early experience beats full-data
                                     IL on WebShop" [secondary]
+    <arm>_vs_il_f<f>                [ours] the same arms both on that smallest fraction: does
+                                    early experience help where demonstrations are scarce
+    <arm>_vs_<arm>_k<K>             (with train.k_sweep) the arm at the main K vs at the
+                                    smallest swept K; "IWM improves steadily with K" [secondary]
+                                    (SR "peaks at K = 2-4": no direction to test against K = 1)
 """
 
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -71,6 +77,24 @@ def fractions_of(m: dict[str, float]) -> list[float]:
                    if "@f" in k.split("/")[0]})
 
 
+def ks_of(m: dict[str, float]) -> list[int]:
+    """The swept K of the `<arm>@k<K>` settings (the main K is the plain `<arm>`)."""
+    return sorted({int(k.split("/")[0].split("@k")[1]) for k in m if "@k" in k.split("/")[0]})
+
+
+def claim_label(name: str, main_k: int) -> str:
+    """The README's words for a claim name of `world_claims`."""
+    if name in NAMES:
+        return NAMES[name]
+    if m := re.fullmatch(r"(iwm|sr)_f([0-9.]+)_vs_il", name):
+        return f"{m[1].upper()} on {m[2]} of the demonstrations > IL on all"
+    if m := re.fullmatch(r"(iwm|sr)_vs_il_f([0-9.]+)", name):
+        return f"[ours] {m[1].upper()} > IL, both on {m[2]} of the demonstrations"
+    if m := re.fullmatch(r"(iwm|sr)_vs_\1_k([0-9]+)", name):
+        return f"{m[1].upper()} at K = {main_k or 'main'} > at K = {m[2]}"
+    return name
+
+
 def run(cfg: Config, ctx: Any) -> dict[str, float]:
     out: dict[str, float] = {}
     for world in cfg.worlds:
@@ -98,6 +122,10 @@ def world_claims(m: dict[str, float], floor: dict[str, float], stage: str, *,
         f = fr[0]
         for arm in ("iwm", "sr"):
             claims[f"{arm}_f{f:g}_vs_il"] = (f"{arm}@f{f:g}", "il", "test", None)
+            claims[f"{arm}_vs_il_f{f:g}"] = (f"{arm}@f{f:g}", f"il@f{f:g}", "test", None)
+    ks = ks_of(m)
+    if ks:
+        claims[f"iwm_vs_iwm_k{ks[0]}"] = ("iwm", f"iwm@k{ks[0]}", "test", None)
     for name, (method, base, split, effect) in claims.items():
         a, b = per_seed(m, method, split, seeds), per_seed(m, base, split, seeds)
         if a is None or b is None:
@@ -181,35 +209,34 @@ def world_table(metrics: dict[str, dict[str, Any]], world: str) -> str:
     fr = fractions_of(e)
     if fr:
         cols = [*fr, 1.0]
-        lines += ["", "**Data efficiency** (in-domain success by share of the demonstrations):",
+        lines += ["", "**Data efficiency** (in-domain success, mean ± std over the seeds, by "
+                  "share of the demonstrations; every setting at the same number of updates):",
                   "", "| arm | " + " | ".join(f"{x:g}" for x in cols) + " |",
                   "|---|" + "---|" * len(cols)]
         for arm, label in ARMS_SHOWN:
-            if f"{arm}/success_test" in e:
+            if any(f"{arm}@f{x:g}/success_test" in e for x in fr):
                 lines.append(f"| {label} | " + " | ".join(
-                    f(e, (arm if x == 1.0 else f"{arm}@f{x:g}") + "/success_test")
+                    sd(arm if x == 1.0 else f"{arm}@f{x:g}", "test")
                     for x in cols) + " |")
-    ks = sorted({int(k.split("/")[0].split("@k")[1]) for k in e if "@k" in k.split("/")[0]})
+    ks = ks_of(e)
+    main_k = int(train.get("iwm/k", 0) or 0)
     if ks:
-        main_k = int(train.get("iwm/k", 0) or 0)
         cols = sorted({*ks, main_k} - {0})
-        lines += ["", "**K alternatives per state** (in-domain success):", "",
+        lines += ["", "**K alternatives per state** (in-domain success, mean ± std over the "
+                  "seeds):", "",
                   "| arm | " + " | ".join(f"K={k}" for k in cols) + " |",
                   "|---|" + "---|" * len(cols)]
-        for arm in ("iwm", "sr"):
-            lines.append(f"| {arm} | " + " | ".join(
-                f(e, (arm if k == main_k else f"{arm}@k{k}") + "/success_test")
-                for k in cols) + " |")
+        for arm, label in ARMS_SHOWN:
+            if arm in ("iwm", "sr") and any(f"{arm}@k{k}/success_test" in e for k in ks):
+                lines.append(f"| {label} | " + " | ".join(
+                    sd(arm if k == main_k else f"{arm}@k{k}", "test")
+                    for k in cols) + " |")
     lines += ["", "**Claims** (paired 95% CI over training seeds of the success difference):",
               ""]
-    names = dict(NAMES)
-    for key in c:
-        if key.startswith("claim/") and "_f" in key and key.endswith("/verdict"):
-            n = key.split("/")[1]
-            names[n] = f"{n.split('_f')[0].upper()} on {n.split('_f')[1].split('_vs')[0]} " \
-                       "of the demonstrations > IL on all"
-    for name, label in names.items():
+    extra = [k.split("/")[1] for k in c if k.endswith("/verdict")
+             and k.split("/")[1] not in NAMES]
+    for name in [*NAMES, *extra]:
         cl = stats.read_claim(c, f"claim/{name}")
         if cl is not None:
-            lines.append(f"- {label}: {cl.sentence()}")
+            lines.append(f"- {claim_label(name, main_k)}: {cl.sentence()}")
     return "\n".join(lines) + "\n"

@@ -87,8 +87,9 @@ def check_splits(cfg: Config, source: Any) -> None:
     an empty one would leave its success rate undefined (0 / 0)."""
     for split in eval_splits(cfg.world):
         if not split_envs(cfg, Path(source), split):
-            raise ValueError(f"{cfg.world} evaluate: {source} has no `{split}` goals (an output "
-                             f"of an older `{cfg.source}` stage? rerun it)")
+            what = "missions" if cfg.world == "babyai" else "goals"
+            raise ValueError(f"{cfg.world} evaluate: {source} has no `{split}` {what} (an "
+                             f"output of an older `{cfg.source}` stage? rerun it)")
 
 
 def _agent(cfg: Config, root: Any, policies: Any, setting: str, seed: int) -> ModelAgent:

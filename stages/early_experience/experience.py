@@ -20,7 +20,7 @@ no IL model first and never repeats the expert action, the spec's second pitfall
 than K other legal actions, every one is taken.
 
 Reflections: the paper prompts the same model to explain, from the two observed outcomes, why
-the expert action is better. A character-level model trained from scratch cannot write one, so
+the expert action is better. A tiny model trained from scratch here cannot write one, so
 here `reflection()` fills a template from the outcome difference ("[40] $25 > $20; [12] fits:
 $18, M"). These are TEMPLATED reflections, a stand-in the spec names (section 6: they make SR
 look stronger than model-written ones); the pipeline labels them so in params, MLflow and

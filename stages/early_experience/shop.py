@@ -1,7 +1,7 @@
 """A text mini-WebShop: a catalogue of items, goals with constraints, four page-bound tools.
 
 The Early Experience paper's WebShop (arXiv 2510.08558, section 5; WebShop itself is Yao et
-al., arXiv 2207.01206) at the size a character-level tiny model can read (spec section 4):
+al., arXiv 2207.01206) at the size a tiny model trained from scratch can read (spec section 4):
 
     catalogue   items with a category, a colour, a price and the sizes in stock
     goal        "red shirt, size M, max $20": success = bought an item of that category and

@@ -23,13 +23,15 @@ Tokens: `tokenizer: chars` gives every character a token (the project's default)
 `tokenizer: bpe` learns subwords on the world's own text once per stage (`world_tokenizer`:
 every arm's demonstrations, next pages, reflections and rejected actions; at most
 `vocab_size` tokens, every printable character kept, so an unseen word is spelt, never
-`<unk>`), and every arm trains with that one vocabulary. The shop's prompts are ~2.7x fewer
-subwords than characters, so an update costs about a third of the compute
-(pipelines/early_experience/README.md, "Deviations").
+`<unk>`), and every arm trains with that one vocabulary. A shop IL example is 2.6x fewer
+subwords than characters and an update 2.3x cheaper (benchmarks/early_experience_tokens.py;
+pipelines/early_experience/README.md, "Deviations").
 
 Settings: the main one (all demonstrations, K = `k`) for every arm; with `fractions`, every arm
-also on the first fraction of the demonstrations (the data-efficiency curve; their experience
-is that of the same episodes); with `k_sweep`, iwm and sr also at each K. A setting's name is
+of `sweep_arms` (None: all) also on the first fraction of the demonstrations (the
+data-efficiency curve; their experience is that of the same episodes, and every setting trains
+for the same `steps` updates); with `k_sweep`, iwm and sr (of `sweep_arms`) also at each K.
+A setting's name is
 `<arm>` (main), `<arm>@f<fraction>` or `<arm>@k<K>`. Models: `<paths.ee_policies>/<setting>/
 s<seed>` (save_pretrained, safetensors); the main setting's first seed of each arm is
 registered as `early-experience-policy` with the arm as its alias.
@@ -75,9 +77,11 @@ class Config(BaseModel):
     dpo_lr: float | None = Field(None, gt=0, le=1.0, description="peak learning rate of the "
                                  "DPO phase (None: lr / 3)")
     fractions: list[float] = Field(default_factory=list, description="extra settings: every "
-                                   "arm on this fraction of the demonstrations")
+                                   "arm of `sweep_arms` on this fraction of the demonstrations")
     k_sweep: list[int] = Field(default_factory=list, description="extra settings: iwm and sr "
-                               "at these K")
+                               "(those of `sweep_arms`) at these K")
+    sweep_arms: list[str] | None = Field(None, description="the arms the extra settings "
+                                         "(`fractions`, `k_sweep`) train; None: every arm")
     hidden_size: int = Field(64, ge=16, le=4096)
     num_layers: int = Field(2, ge=1, le=64)
     num_heads: int = Field(4, ge=1, le=64)
@@ -117,6 +121,11 @@ class Config(BaseModel):
 
     @model_validator(mode="after")
     def _k(self) -> "Config":
+        if self.sweep_arms is not None:
+            bad = [a for a in self.sweep_arms if a not in self.arms]
+            if bad or not self.sweep_arms or len(set(self.sweep_arms)) != len(self.sweep_arms):
+                raise ValueError(f"train.sweep_arms {self.sweep_arms}: empty, repeated or "
+                                 f"{bad} not in train.arms {self.arms}")
         if len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"train.seeds {self.seeds}: repeated seed")
         if self.hidden_size % self.num_heads:
@@ -127,10 +136,11 @@ class Config(BaseModel):
 
 def settings(cfg: Config) -> list[tuple[str, str, float, int]]:
     """(setting name, arm, fraction of demonstrations, K) of every model to train."""
+    sweep = cfg.arms if cfg.sweep_arms is None else cfg.sweep_arms
     out = [(a, a, 1.0, cfg.k) for a in cfg.arms]
-    out += [(f"{a}@f{f:g}", a, f, cfg.k) for f in cfg.fractions for a in cfg.arms]
+    out += [(f"{a}@f{f:g}", a, f, cfg.k) for f in cfg.fractions for a in sweep]
     out += [(f"{a}@k{k}", a, 1.0, k) for k in cfg.k_sweep if k != cfg.k
-            for a in cfg.arms if a in ("iwm", "sr")]
+            for a in sweep if a in ("iwm", "sr")]
     return out
 
 

@@ -137,18 +137,30 @@ def test_babyai_world_end_to_end(ee_repo: Path):
     assert (alts["call"] != alts["expert_call"]).all()
     assert alts["reflection"].str.contains(r"(ball|box)").all()
     episodes, _ = read_rollouts(ee_repo / P / "data/babyai_runs/rollouts")
-    assert set(episodes["agent"]) == set(ARMS)
-    assert episodes.height == len(ARMS) * 2 * (4 + 4)    # arms x seeds x (test + ood)
+    # the smoke profile sweeps il and iwm: half the demonstrations, and iwm at K = 1
+    sweep = ["il@f0.5", "iwm@f0.5", "iwm@k1"]
+    assert set(episodes["agent"]) == set(ARMS) | set(sweep)
+    assert episodes.height == (len(ARMS) + 3) * 2 * (4 + 4)   # settings x seeds x splits
+    t = io.read_metrics(ee_repo / P / "details/babyai_train.json")
+    assert t["il@f0.5/demos"] == 6 and t["il/demos"] == 12
+    assert t["iwm@k1/k"] == 1 and t["iwm@f0.5/k"] == 2
+    # every setting trained for the same updates (equal budget)
+    assert {t[f"{n}/s{s}/train_steps"] for n in ("il", "il@f0.5") for s in (0, 1)} == {4.0}
+    assert not (ee_repo / P / "models/babyai_policies/sr@f0.5").exists()
     c = io.read_metrics(ee_repo / P / "details/compare.json")
     assert c["babyai_seeds"] == 2
-    for name in ("iwm_vs_il", "sr_vs_il", "iwm_vs_il_ood", "il_vs_random"):
+    for name in ("iwm_vs_il", "sr_vs_il", "iwm_vs_il_ood", "il_vs_random", "iwm_f0.5_vs_il",
+                 "iwm_vs_il_f0.5", "iwm_vs_iwm_k1"):
         assert c[f"claim/babyai_{name}/verdict"] in (-1.0, 0.0, 1.0)
+    assert not any(k.startswith("claim/iwm_f") for k in c)   # the shop did not sweep
     assert "claim/babyai_iwm_vs_il/paper_effect" not in c
     v = mlflow_client(ee_repo).get_model_version_by_alias("early-experience-babyai-policy",
                                                           "iwm")
     assert v.tags["arm"] == "iwm"
     block = (ee_repo / P / "README.md").read_text().split("<!-- results:start")[1]
-    assert "### BabyAI" in block.split("<!-- results:end")[0]
+    babyai_block = block.split("<!-- results:end")[0].split("### BabyAI")[1]
+    assert "**Data efficiency**" in babyai_block and "**K alternatives" in babyai_block
+    assert "IWM on 0.5 of the demonstrations > IL on all" in babyai_block
 
 
 def test_bad_params_rejected_by_name_before_compute(ee_repo: Path):

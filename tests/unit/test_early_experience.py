@@ -210,8 +210,15 @@ def test_settings_and_bad_params_rejected_by_name():
                       fractions=[0.25], k_sweep=[1, 4])
     names = [s[0] for s in settings(cfg)]
     assert names == ["il", "iwm", "sr", "il@f0.25", "iwm@f0.25", "sr@f0.25", "iwm@k1", "sr@k1"]
+    cfg = cfg.model_copy(update={"sweep_arms": ["il", "iwm"]})     # the curve of two arms
+    assert [s[0] for s in settings(cfg)] == ["il", "iwm", "sr", "il@f0.25", "iwm@f0.25",
+                                             "iwm@k1"]
+    assert settings(cfg)[3:] == [("il@f0.25", "il", 0.25, 4), ("iwm@f0.25", "iwm", 0.25, 4),
+                                 ("iwm@k1", "iwm", 1.0, 1)]
     for bad, word in (({"arms": ["iwm"]}, "il"), ({"arms": ["il", "wm"]}, "wm"),
-                      ({"fractions": [1.0]}, "fractions"), ({"seeds": [0, 0]}, "repeated")):
+                      ({"fractions": [1.0]}, "fractions"), ({"seeds": [0, 0]}, "repeated"),
+                      ({"sweep_arms": ["il", "sr"]}, r"\['sr'\] not in train.arms"),
+                      ({"sweep_arms": []}, "sweep_arms")):
         with pytest.raises(ValueError, match=word):
             TrainConfig(**{"arms": ["il"], "seeds": [0, 1], "steps": 10, "prompt": FMT, **bad})
 
@@ -243,3 +250,31 @@ def test_compare_claims_on_paired_seeds():
     assert out["claim/il_vs_random/verdict"] == 1.0
     assert compare.headline(out) == {"reproduced": 3.0, "inconclusive": 0.0,
                                      "contradicted": 1.0}
+
+
+def test_compare_data_efficiency_and_k_claims_and_their_words():
+    """The sweep settings' claims pair the right settings, and the README names them right."""
+    from stages.early_experience import compare
+
+    m = {}
+    for s in range(3):
+        m.update({f"il/s{s}/success_test": 0.5, f"iwm/s{s}/success_test": 0.6,
+                  f"il@f0.125/s{s}/success_test": 0.1, f"iwm@f0.125/s{s}/success_test":
+                  (0.3, 0.32, 0.28)[s], f"il@f0.5/s{s}/success_test": 0.4,
+                  f"iwm@f0.5/s{s}/success_test": 0.5, f"iwm@k1/s{s}/success_test":
+                  (0.55, 0.5, 0.45)[s], f"iwm@k2/s{s}/success_test": 0.58})
+    out = compare.world_claims(m, {"random/test/success": 0.0}, "babyai_evaluate",
+                               paper_effects=False)
+    # 1/8 of the demonstrations vs IL on all: 0.3 - 0.5, 0.32 - 0.5, 0.28 - 0.5
+    assert out["claim/iwm_f0.125_vs_il/diff"] == pytest.approx(-0.2)
+    assert out["claim/iwm_f0.125_vs_il/verdict"] == -1.0
+    assert out["claim/iwm_vs_il_f0.125/diff"] == pytest.approx(0.2)    # both on 1/8
+    assert out["claim/iwm_vs_iwm_k1/diff"] == pytest.approx(0.1)       # K = main vs the least
+    assert "claim/sr_f0.125_vs_il/verdict" not in out                 # sr not swept
+    assert "claim/iwm_vs_iwm_k2/verdict" not in out
+    assert compare.claim_label("iwm_f0.125_vs_il", 4) == \
+        "IWM on 0.125 of the demonstrations > IL on all"
+    assert compare.claim_label("iwm_vs_il_f0.125", 4) == \
+        "[ours] IWM > IL, both on 0.125 of the demonstrations"
+    assert compare.claim_label("iwm_vs_iwm_k1", 4) == "IWM at K = 4 > at K = 1"
+    assert compare.claim_label("sr_vs_il", 4) == "SR > IL, in-domain"

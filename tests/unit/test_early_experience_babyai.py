@@ -152,6 +152,12 @@ def test_episodes_round_trip_and_bad_level_rejected(tmp_path: Path, seeds):
     pl.DataFrame(rows, schema=schema).write_parquet(tmp_path / "episodes.parquet")
     envs = babyai.read_episodes(tmp_path)
     assert [e.seed for e in envs["train"]] == [s for s, _ in seeds["train"]]
+    from stages.early_experience.evaluate import Config as EvalConfig, check_splits
+
+    ecfg = EvalConfig(prompt={"sep": " | ", "window": 0}, world="babyai", source="ee_babyai",
+                      policy={"kind": "local", "model": "ee_babyai_policies"})
+    with pytest.raises(ValueError, match="no `test` missions"):   # a table of train only
+        check_splits(ecfg, tmp_path)
     rows[0]["target"] = "lamp"
     pl.DataFrame(rows, schema=schema).write_parquet(tmp_path / "episodes.parquet")
     with pytest.raises(DataValidationError, match="target"):
