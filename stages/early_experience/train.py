@@ -28,9 +28,10 @@ subwords than characters and an update 2.3x cheaper (benchmarks/early_experience
 pipelines/early_experience/README.md, "Deviations").
 
 Settings: the main one (all demonstrations, K = `k`) for every arm; with `fractions`, every arm
-of `sweep_arms` (None: all) also on the first fraction of the demonstrations (the
-data-efficiency curve; their experience is that of the same episodes, and every setting trains
-for the same `steps` updates); with `k_sweep`, iwm and sr (of `sweep_arms`) also at each K.
+of `sweep_arms` (None: all) also on each fraction f, the leading share f of the demonstrations
+(the data-efficiency curve; their experience is that of the same episodes, every setting
+trains for the same `steps` updates, and the subword vocabulary is the world's one, learnt on
+all demonstrations); with `k_sweep`, iwm and sr (of `sweep_arms`) also at each K.
 A setting's name is
 `<arm>` (main), `<arm>@f<fraction>` or `<arm>@k<K>`. Models: `<paths.ee_policies>/<setting>/
 s<seed>` (save_pretrained, safetensors); the main setting's first seed of each arm is
@@ -126,6 +127,9 @@ class Config(BaseModel):
             if bad or not self.sweep_arms or len(set(self.sweep_arms)) != len(self.sweep_arms):
                 raise ValueError(f"train.sweep_arms {self.sweep_arms}: empty, repeated or "
                                  f"{bad} not in train.arms {self.arms}")
+            if self.fractions and "il" not in self.sweep_arms:
+                raise ValueError(f"train.sweep_arms {self.sweep_arms}: with `fractions`, `il` "
+                                 "must be swept too (the curve's baseline on the same share)")
         if len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"train.seeds {self.seeds}: repeated seed")
         if self.hidden_size % self.num_heads:

@@ -498,7 +498,7 @@ def test_il_refuses_examples_it_would_silently_corrupt(policy):
     with pytest.raises(ValueError, match="no example"):
         check_examples(tokenizer, [], [], 64)
     # counted as training encodes it, prompt and reply apart: subwords learnt on the glued
-    # text spell ` Action` as one piece glued, but ` ` + `A ct ion` apart (3 tokens more)
+    # text spell ` Action` as one piece glued, but ` ` + `A ct ion` apart (more tokens)
     from stages.models import subword
     from stages.models.base import encode_sft_rows
 
@@ -506,7 +506,7 @@ def test_il_refuses_examples_it_would_silently_corrupt(policy):
     p, t = ["room 1 "], ["Action: take[key]"]
     glued = len(bpe(p[0] + t[0], add_special_tokens=False)["input_ids"]) + 2
     apart = len(encode_sft_rows(bpe, p, t, 1 << 30)[0]["input_ids"])
-    assert apart == glued + 3 and check_examples(bpe, p, t, apart) == apart
+    assert apart > glued and check_examples(bpe, p, t, apart) == apart
     with pytest.raises(ValueError, match=f"is {apart} tokens, over the model's context of "
                                          f"{glued}"):
         check_examples(bpe, p, t, glued)

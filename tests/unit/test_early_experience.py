@@ -218,7 +218,9 @@ def test_settings_and_bad_params_rejected_by_name():
     for bad, word in (({"arms": ["iwm"]}, "il"), ({"arms": ["il", "wm"]}, "wm"),
                       ({"fractions": [1.0]}, "fractions"), ({"seeds": [0, 0]}, "repeated"),
                       ({"sweep_arms": ["il", "sr"]}, r"\['sr'\] not in train.arms"),
-                      ({"sweep_arms": []}, "sweep_arms")):
+                      ({"sweep_arms": []}, "sweep_arms"),
+                      ({"arms": ["il", "iwm"], "fractions": [0.5], "sweep_arms": ["iwm"]},
+                       "`il` must be swept too")):
         with pytest.raises(ValueError, match=word):
             TrainConfig(**{"arms": ["il"], "seeds": [0, 1], "steps": 10, "prompt": FMT, **bad})
 
@@ -264,7 +266,7 @@ def test_compare_data_efficiency_and_k_claims_and_their_words():
                   f"iwm@f0.5/s{s}/success_test": 0.5, f"iwm@k1/s{s}/success_test":
                   (0.55, 0.5, 0.45)[s], f"iwm@k2/s{s}/success_test": 0.58})
     out = compare.world_claims(m, {"random/test/success": 0.0}, "babyai_evaluate",
-                               paper_effects=False)
+                               paper_effects=False, main_k=4)
     # 1/8 of the demonstrations vs IL on all: 0.3 - 0.5, 0.32 - 0.5, 0.28 - 0.5
     assert out["claim/iwm_f0.125_vs_il/diff"] == pytest.approx(-0.2)
     assert out["claim/iwm_f0.125_vs_il/verdict"] == -1.0
@@ -272,9 +274,58 @@ def test_compare_data_efficiency_and_k_claims_and_their_words():
     assert out["claim/iwm_vs_iwm_k1/diff"] == pytest.approx(0.1)       # K = main vs the least
     assert "claim/sr_f0.125_vs_il/verdict" not in out                 # sr not swept
     assert "claim/iwm_vs_iwm_k2/verdict" not in out
+    # no main K known, or none swept below it: no K claim (a larger K is not "fewer")
+    for k in (None, 1):
+        assert not any("_k" in key for key in compare.world_claims(
+            m, {"random/test/success": 0.0}, "e", paper_effects=False, main_k=k))
     assert compare.claim_label("iwm_f0.125_vs_il", 4) == \
         "IWM on 0.125 of the demonstrations > IL on all"
     assert compare.claim_label("iwm_vs_il_f0.125", 4) == \
         "[ours] IWM > IL, both on 0.125 of the demonstrations"
     assert compare.claim_label("iwm_vs_iwm_k1", 4) == "IWM at K = 4 > at K = 1"
     assert compare.claim_label("sr_vs_il", 4) == "SR > IL, in-domain"
+
+
+def test_readme_tables_put_each_worlds_sweep_and_claims_under_it():
+    """Two worlds, only BabyAI swept: the shop's section has no sweep table or sweep claim;
+    BabyAI's has rows for the swept arms only, K columns 1, 2 and the main 4, its own claims."""
+    from stages.early_experience import compare
+
+    def evaluate(sweep: bool) -> dict[str, float]:
+        m: dict[str, float] = {}
+        for s in range(3):
+            for arm, v in (("il", 0.5), ("iwm", 0.6), ("sr", 0.4), ("dpo", 0.3)):
+                for split in ("test", "ood"):
+                    m[f"{arm}/s{s}/success_{split}"] = v + 0.01 * s
+            if sweep:
+                for name, v in (("il@f0.25", 0.2), ("iwm@f0.25", 0.3), ("iwm@k1", 0.45),
+                                ("iwm@k2", 0.5)):
+                    m[f"{name}/s{s}/success_test"] = v + 0.02 * s
+        for key in list(m):                  # the means `evaluate` writes beside the seeds
+            setting, seed, metric = key.split("/")
+            m[f"{setting}/{metric}"] = sum(m[f"{setting}/s{s}/{metric}"] for s in range(3)) / 3
+        return m
+
+    stages = {"evaluate": evaluate(False), "babyai_evaluate": evaluate(True),
+              "shop": {"random/test/success": 0.0, "expert/test/success": 1.0},
+              "babyai": {"random/test/success": 0.0, "expert/test/success": 1.0},
+              "train": {"il/k": 4.0}, "babyai_train": {"il/k": 4.0}}
+
+    class Ctx:
+        def stage_metrics(self, stage):
+            return stages[stage]
+
+    metrics = {**stages, "compare": compare.run(compare.Config(worlds=["shop", "babyai"]),
+                                                Ctx())}
+    shop_part, babyai_part = compare.results_table(metrics).split("### BabyAI")
+    assert "Data efficiency" not in shop_part and "K alternatives" not in shop_part
+    assert "of the demonstrations" not in shop_part and "K = " not in shop_part
+    assert "| IL (imitation) | 0.220 ± 0.016 | 0.510 ± 0.008 |" in babyai_part
+    assert "| IWM -> IL | 0.320 ± 0.016 | 0.610 ± 0.008 |" in babyai_part
+    assert "| SR + IL (templated) | 0.4" not in babyai_part.split("**Data efficiency**")[1]
+    assert "| K=1 | K=2 | K=4 |" in babyai_part
+    assert "| IWM -> IL | 0.470 ± 0.016 | 0.520 ± 0.016 | 0.610 ± 0.008 |" in babyai_part
+    for words in ("IWM on 0.25 of the demonstrations > IL on all: **contradicted**",
+                  "[ours] IWM > IL, both on 0.25 of the demonstrations: **reproduced**",
+                  "IWM at K = 4 > at K = 1: **reproduced**"):
+        assert words in babyai_part

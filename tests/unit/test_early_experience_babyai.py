@@ -195,7 +195,8 @@ def test_compare_names_babyai_claims_without_the_papers_webshop_effects():
         def stage_metrics(self, stage):
             return {"shop": {"random/test/success": 0.0}, "babyai": {"random/test/success": 0.1},
                     "evaluate": arms((0.2, 0.25, 0.3), (0.4, 0.45, 0.52)),
-                    "babyai_evaluate": arms((0.6, 0.7, 0.65), (0.5, 0.58, 0.56))}[stage]
+                    "babyai_evaluate": arms((0.6, 0.7, 0.65), (0.5, 0.58, 0.56)),
+                    "train": {"il/k": 4.0}, "babyai_train": {"il/k": 4.0}}[stage]
 
     out = compare.run(compare.Config(worlds=["shop", "babyai"]), Ctx())
     assert out["claim/iwm_vs_il/verdict"] == 1.0 and out["claim/iwm_vs_il/paper_effect"] == 0.113
