@@ -118,6 +118,18 @@ class Config(BaseModel):
         bad = [f for f in v if not 0 < f < 1]
         if bad:
             raise ValueError(f"train.fractions {v}: {bad} not in (0, 1) (1 is the main setting)")
+        names = [f"{f:g}" for f in v]      # a setting is named by f:g (`il@f0.25`)
+        if len(set(names)) != len(names):
+            raise ValueError(f"train.fractions {v}: repeated fraction (as named: {names})")
+        return v
+
+    @field_validator("k_sweep")
+    @classmethod
+    def _k_sweep(cls, v: list[int]) -> list[int]:
+        bad = [k for k in v if not 1 <= k <= 64]
+        if bad or len(set(v)) != len(v):
+            raise ValueError(f"train.k_sweep {v}: repeated, or {bad} not in [1, 64] "
+                             "(alternatives per state)")
         return v
 
     @model_validator(mode="after")
