@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import shutil
@@ -94,8 +95,6 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_repro(args: argparse.Namespace) -> int:
     """Sequential `dvc repro` of each pipeline, each under one MLflow parent run; one run of a
     pipeline at a time (a second waits for the first, or with --no-wait refuses)."""
-    import contextlib
-
     root = _root()
     pipelines = _pipelines(root, args.pipeline, args.all)
     for p in pipelines:  # every params error surfaces before any compute
@@ -119,6 +118,7 @@ def _repro(root: Path, pipelines: list[str], args: argparse.Namespace) -> int:
         spool_parent,
         start_parent_run,
         tracking_mode,
+        warm_for_replay,
     )
 
     from flows import stack
@@ -146,7 +146,9 @@ def _repro(root: Path, pipelines: list[str], args: argparse.Namespace) -> int:
             cmd = [dvc, "repro", _dvcfile(root, p), *(["--force"] if args.force else [])]
             print(f"$ {' '.join(cmd[1:])}", flush=True)
             # a killed `paperline repro` takes its dvc, and dvc its stage, along (core/proc.py)
-            rc = subprocess.run(cmd, cwd=root, env=env, preexec_fn=kill_with_parent()).returncode
+            with warm_for_replay(root) if spool else contextlib.nullcontext():
+                rc = subprocess.run(cmd, cwd=root, env=env,
+                                    preexec_fn=kill_with_parent()).returncode
             if spool:
                 parent = finish_spooled_parent(root, parent, rc == 0).get("parent_run_id")
             else:

@@ -4,11 +4,14 @@ and weights that changed since the stage ran (a real MLflow SQLite store in tmp_
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
 from stages.core import tracking
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_error_text_loses_credentials_of_the_tracking_uri():
@@ -210,6 +213,33 @@ def test_an_execution_where_nothing_ran_creates_no_run(tmp_path, monkeypatch):
     assert tracking.finish_spooled_parent(tmp_path, token, ok=True) == {"replayed": 0, "left": 0}
     assert not tracking._parent_file(tmp_path, token).exists()
     assert not (tmp_path / "never.db").exists()  # MLflow was never opened
+
+
+def test_warming_for_the_replay_waits_for_a_spooled_stage(tmp_path):
+    """`paperline repro` warms MLflow while dvc runs, but only once a stage has spooled: a repro
+    with nothing to run never imports it (a fresh interpreter, so the import is observable)."""
+    import subprocess
+    import sys
+
+    script = """
+import sys, time
+from pathlib import Path
+from stages.core import tracking
+root = Path(sys.argv[1])
+with tracking.warm_for_replay(root, poll_s=0.05):
+    time.sleep(0.5)
+print("idle", "mlflow" in sys.modules, (root / "warm.db").exists())
+tracking.gaps_dir(root).mkdir(parents=True)
+with tracking.warm_for_replay(root, poll_s=0.05):
+    (tracking.gaps_dir(root) / "p.train.1.json").write_text("{}")
+    time.sleep(0.5)
+print("spooled", "mlflow" in sys.modules, (root / "warm.db").exists())
+"""
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'warm.db'}"}
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[:2] == ["idle False False", "spooled True True"], out.stdout
 
 
 def test_tracking_mode_is_checked():
