@@ -125,9 +125,12 @@ def _json_default(value: Any) -> Any:
 
 
 def write_parquet(path: str | os.PathLike[str], df: Any) -> Path:
-    """Write a polars DataFrame as parquet, atomically."""
+    """Write a polars DataFrame as parquet, atomically, in one canonical layout: the same rows
+    give the same bytes however the frame is chunked in memory (polars splits row groups along
+    its chunks, and the chunks of a `pl.concat` can depend on thread timing: an Early Experience
+    rerun wrote the same rollouts as 2 row groups instead of 1)."""
     with atomic_path(path) as tmp:
-        df.write_parquet(tmp)
+        df.rechunk().write_parquet(tmp)
     return Path(path)
 
 

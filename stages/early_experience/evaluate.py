@@ -164,7 +164,9 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
             with ctx.method_run(ctx.stage, arm, seed, params=params) as run_:
                 run_.log_metrics(metrics)
     with io.atomic_path(ctx.path(cfg.out), is_dir=True) as tmp:
-        write_rollouts(tmp / "rollouts", pl.concat(all_eps), pl.concat(all_steps))
+        # one chunk each: the parquet bytes follow polars' chunks (stages/core/io.py write_parquet)
+        write_rollouts(tmp / "rollouts", pl.concat(all_eps, rechunk=True),
+                       pl.concat(all_steps, rechunk=True))
         pl.DataFrame(rows, schema=SUCCESS_SCHEMA).write_parquet(tmp / "success.parquet")
     for name, _, _, _ in settings(tcfg):
         for key in (*(f"success_{s}" for s in eval_splits(cfg.world)), "parse_failure_rate"):

@@ -87,6 +87,25 @@ def test_atomic_write_replaces_and_cleans_up(tmp_path: Path):
     assert [p.name for p in tmp_path.iterdir()] == ["out.json"]  # no temporary left
 
 
+def test_parquet_bytes_do_not_depend_on_how_the_frame_is_chunked(tmp_path: Path):
+    """The same rows, concatenated from 1, 2 or 9 parts (a `pl.concat` without rechunk keeps
+    them, and its chunks can depend on thread timing): the same file, byte for byte. Polars
+    alone writes the 9 parts in other bytes than the single one (2 row groups instead of 1)."""
+    import polars as pl
+
+    rows = pl.DataFrame({"episode": list(range(140_000)),
+                         "text": [f"go to the {i % 7} door, step {i}" for i in range(140_000)]})
+    written = []
+    for parts in (1, 2, 9):
+        size = -(-rows.height // parts)
+        df = pl.concat([rows.slice(i, size) for i in range(0, rows.height, size)],
+                       rechunk=False)
+        assert df.n_chunks() == parts
+        written.append(io.write_parquet(tmp_path / f"{parts}.parquet", df).read_bytes())
+    assert written[0] == written[1] == written[2]
+    assert pl.read_parquet(tmp_path / "9.parquet").equals(rows)
+
+
 def test_atomic_directory_swap(tmp_path: Path):
     target = tmp_path / "model"
     with io.atomic_path(target, is_dir=True) as d:
