@@ -120,7 +120,9 @@ def run(cfg: Config, ctx: Any) -> dict[str, float]:
                 out[f"{arm}/s{seed}/{key}"] = s[key]
     # one checked folder for every arm: episode ids `<arm>/s<seed>e<entity>`
     with io.atomic_path(ctx.path("ddr_runs"), is_dir=True) as tmp:
-        write_rollouts(tmp / "rollouts", pl.concat(all_eps), pl.concat(all_steps))
+        # one chunk each: the parquet bytes follow polars' chunks (stages/core/io.py write_parquet)
+        write_rollouts(tmp / "rollouts", pl.concat(all_eps, rechunk=True),
+                       pl.concat(all_steps, rechunk=True))
         pl.DataFrame(rows, schema=INSIGHT_SCHEMA).write_parquet(tmp / "insights.parquet")
     for arm in cfg.arms:
         for key in ("parse_failure_rate", "invalid_action_rate", "success_rate"):
