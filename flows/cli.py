@@ -145,10 +145,15 @@ def _repro(root: Path, pipelines: list[str], args: argparse.Namespace) -> int:
                 env[PARENT_ENV] = parent
             cmd = [dvc, "repro", _dvcfile(root, p), *(["--force"] if args.force else [])]
             print(f"$ {' '.join(cmd[1:])}", flush=True)
-            # a killed `paperline repro` takes its dvc, and dvc its stage, along (core/proc.py)
-            with warm_for_replay(root) if spool else contextlib.nullcontext():
-                rc = subprocess.run(cmd, cwd=root, env=env,
-                                    preexec_fn=kill_with_parent()).returncode
+            # a killed `paperline repro` takes its dvc, and dvc its stage, along (core/proc.py);
+            # the warming thread starts after the fork (preexec_fn runs in the child)
+            with subprocess.Popen(cmd, cwd=root, env=env, preexec_fn=kill_with_parent()) as proc:
+                try:
+                    with warm_for_replay(root) if spool else contextlib.nullcontext():
+                        rc = proc.wait()
+                except BaseException:  # what subprocess.run does: the child does not outlive us
+                    proc.kill()
+                    raise
             if spool:
                 parent = finish_spooled_parent(root, parent, rc == 0).get("parent_run_id")
             else:

@@ -120,11 +120,11 @@ HTTP_RETRY_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3",
 
 def configure(root: Path) -> str:
     """Point MLflow at the project's tracking store; returns the URI."""
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # read when MLflow is imported
     import mlflow
 
     from .storage import apply_mlflow_env
 
-    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     for key, value in HTTP_RETRY_DEFAULTS.items():
         os.environ.setdefault(key, value)
     apply_mlflow_env(root)  # S3 storage configured: artifacts of S3 experiments reach the store
@@ -719,10 +719,14 @@ def warm_for_replay(root: Path, poll_s: float = 0.5) -> Iterator[None]:
     """While `paperline repro` waits on `dvc repro`: once a stage has spooled its run, import
     MLflow and open the tracking store in a thread, so that `finish_spooled_parent` starts warm
     (import and store set-up cost ~5 s on 2 cores, after every execution). A repro with nothing
-    to run never imports MLflow, as before. Only warms caches: nothing is written to MLflow, and
-    the thread is joined before the caller goes on."""
+    to run never imports MLflow, as before. The thread logs nothing; opening an embedded SQLite
+    store creates its file and tables, as the replay would. On a normal exit it is joined before
+    the caller goes on (the replay then finds the store cached); on an exception (Ctrl-C) it is
+    left behind, a daemon."""
+    import sys
     import threading
 
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # read when MLflow is imported
     stop = threading.Event()
     spool = gaps_dir(root)
 
@@ -741,7 +745,8 @@ def warm_for_replay(root: Path, poll_s: float = 0.5) -> Iterator[None]:
         yield
     finally:
         stop.set()
-        thread.join()
+        if sys.exc_info()[0] is None:
+            thread.join()
 
 
 def finish_spooled_parent(root: Path, token: str, ok: bool) -> dict[str, int]:
