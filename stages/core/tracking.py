@@ -875,11 +875,13 @@ def _replay_method_run(client: Any, parent_id: str, gap: dict[str, Any], op: dic
                     "dvc.stage_key": gap["tags"].get("dvc.stage_key", ""),
                     "paperline.method_run_key": key}
             run_id = client.create_run(parent.info.experiment_id, tags=tags).info.run_id
-            from mlflow.entities import Param
+    # the params the run lacks, also when an earlier replay made the run and stopped part-way
+    from mlflow.entities import Param
 
-            params = [Param(k, str(v)) for k, v in op["params"].items()]
-            for i in range(0, len(params), 100):  # one write per 100, not one per param
-                client.log_batch(run_id, params=params[i:i + 100])
+    have = client.get_run(run_id).data.params
+    params = [Param(k, str(v)) for k, v in op["params"].items() if k not in have]
+    for i in range(0, len(params), 100):  # one write per 100, not one per param
+        client.log_batch(run_id, params=params[i:i + 100])
     for m in op["metrics"]:
         _log_new_metrics(client, run_id, m["metrics"], m["timestamp"], m["step"])
     client.set_terminated(run_id, status=op.get("status", "FINISHED"))

@@ -111,6 +111,25 @@ def test_replay_does_not_overwrite_a_retry_that_finished_the_run(tmp_path, clien
     assert client.get_run(run_id).info.status == "FINISHED"
 
 
+def test_replay_of_a_method_run_completes_the_params_of_a_run_made_part_way(client):
+    """A replay that created the method run and died before all its params were logged: the
+    next replay finds that run (no second one) and logs the params it lacks."""
+    exp = client.create_experiment("m")
+    parent = client.create_run(exp).info.run_id
+    gap = {"stage_run_id": "sr1", "experiment": "m", "run_name": "arms", "tags": {}}
+    key = "sr1/arms/grpo/0"
+    made = client.create_run(exp, tags={"paperline.method_run_key": key}).info.run_id
+    client.log_param(made, "beta", "0.0")  # the first of two params, then the replay died
+    op = {"group": "arms", "method": "grpo", "seed": 0, "params": {"beta": 0.0, "lr": 0.001},
+          "metrics": [{"metrics": {"acc": 0.5}, "timestamp": 1, "step": 0}]}
+    tracking._replay_method_run(client, parent, gap, op)
+    tracking._replay_method_run(client, parent, gap, op)  # again: nothing added twice
+    runs = client.search_runs([exp], f"tags.`paperline.method_run_key` = '{key}'")
+    assert [r.info.run_id for r in runs] == [made]
+    assert runs[0].data.params == {"beta": "0.0", "lr": "0.001"}
+    assert [m.value for m in client.get_metric_history(made, "acc")] == [0.5]
+
+
 # ---------------------------------------------------------------------------------------------
 # Spooled tracking (`PAPERLINE_TRACKING=spool`, what `paperline repro` gives its stages)
 
