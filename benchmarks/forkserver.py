@@ -3,9 +3,11 @@
     .venv/bin/python benchmarks/forkserver.py [--repeats 2] [--pipeline base] [--write]
 
 In a fresh clone at the smoke profile, after one build, `paperline repro <pipeline> --force`
-(every stage of the pipeline and its upstream recomputed) runs alternately with the fork server
-(the default) and with `PAPERLINE_FORKSERVER=off` (every stage a fresh interpreter, as under a
-plain `dvc repro`). Reported: wall seconds and CPU seconds (user + system of the whole process
+(every stage of the pipeline and its upstream recomputed) runs in turn with the fork server
+(the default), with the server importing only what the first stage waits for
+(`PAPERLINE_FORKSERVER_LATE=off`: no great-expectations or TRL for the stages after it) and
+with `PAPERLINE_FORKSERVER=off` (every stage a fresh interpreter, as under a plain
+`dvc repro`). Reported: wall seconds and CPU seconds (user + system of the whole process
 tree, the server and its forks included), medians over the repeats, and their ratios. CPU
 seconds are what 2 busy cores make the suite pay, and they depend less on the machine's load
 than wall time does. The outputs of the two modes are compared too (every md5 in the lock).
@@ -64,7 +66,9 @@ def main() -> None:
         subprocess.run(["git", "clone", "-q", str(ROOT), str(repo)], check=True)
         params = repo / "params.yaml"
         params.write_text(params.read_text().replace("profile: cpu", "profile: smoke", 1))
-        modes = {"server": env_for(repo), "fresh": env_for(repo, PAPERLINE_FORKSERVER="off")}
+        modes = {"server": env_for(repo),
+                 "first": env_for(repo, PAPERLINE_FORKSERVER_LATE="off"),
+                 "fresh": env_for(repo, PAPERLINE_FORKSERVER="off")}
         print(f"building {args.pipeline} at smoke in {repo} ...", flush=True)
         run(cli, repo, modes["fresh"])
         times: dict[str, list[tuple[float, float]]] = {m: [] for m in modes}
@@ -81,27 +85,35 @@ def main() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
     med = {m: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v))
            for m, v in times.items()}
-    same = md5s["server"] == md5s["fresh"]
+    same = md5s["server"] == md5s["first"] == md5s["fresh"]
     body = "\n".join([
         f"Command: `.venv/bin/python benchmarks/forkserver.py --repeats {args.repeats} "
         f"--pipeline {args.pipeline} --write` (a fresh clone at the smoke profile; `paperline "
-        f"repro {args.pipeline} --force` alternately with and without the fork server; medians; "
+        f"repro {args.pipeline} --force` in turn in the three modes below; medians; "
         f"load average {load:.1f} at the end)",
         "",
         "| stages started | wall s | CPU s |",
         "|---|---|---|",
         f"| forked from the server (`paperline repro`, default) | {med['server'][0]:.1f} | "
         f"{med['server'][1]:.1f} |",
+        f"| forked, the server importing only torch & co. (`PAPERLINE_FORKSERVER_LATE=off`) | "
+        f"{med['first'][0]:.1f} | {med['first'][1]:.1f} |",
         f"| fresh interpreters (`PAPERLINE_FORKSERVER=off`, as plain `dvc repro`) | "
         f"{med['fresh'][0]:.1f} | {med['fresh'][1]:.1f} |",
         "",
         f"- CPU: **{med['server'][1] / med['fresh'][1]:.2f}x**, wall "
         f"{med['server'][0] / med['fresh'][0]:.2f}x with the server.",
-        f"- Outputs of the two modes: {'every dvc.lock md5 equal' if same else 'DIFFER'}.",
+        f"- The server's second import (great-expectations, TRL) after the first fork: CPU "
+        f"**{med['server'][1] / med['first'][1]:.2f}x**, wall "
+        f"{med['server'][0] / med['first'][0]:.2f}x of the server without it.",
+        f"- Outputs of the three modes: {'every dvc.lock md5 equal' if same else 'DIFFER'}.",
         "",
         "Why: a model stage imports torch, transformers' Llama, its Trainer and tokenizers "
         "(several CPU seconds) before its work; the server imports them once per `paperline "
-        "repro` and each stage runs in a fork of it (stages/core/forkserver.py).",
+        "repro` and each stage runs in a fork of it (stages/core/forkserver.py). A stage that "
+        "writes a new table imports great-expectations to validate it (4-6 s here), an RL "
+        "stage TRL's GRPO trainer: the server imports those right after it forks the first "
+        "stage.",
     ])
     print(body)
     if args.write:

@@ -55,6 +55,15 @@ ENV = "PAPERLINE_FORKSERVER"  # the socket's path, set for stage processes by `p
 PRELOAD = ("numpy", "polars", "pydantic", "yaml", "dvc.repo", "torch", "safetensors.torch",
            "transformers", "transformers.models.llama.modeling_llama", "transformers.trainer",
            "transformers.models.auto.tokenization_auto")
+# Imported right after the first stage is forked (that stage does not wait for them), for the
+# stages after it: great-expectations, which every stage that writes a new table imports to
+# validate it (about 4-6 s here, as long as torch and transformers together), and TRL's GRPO
+# trainer (about 1.7 s, every RL stage). A smoke `paperline repro hsir` imported GE 8 times
+# (38 s of its 126 s; `benchmarks/RESULTS.md` "Fork server").
+PRELOAD_AFTER_FIRST = ("great_expectations", "great_expectations.expectations",
+                       "great_expectations.data_context.types.base", "trl.trainer.grpo_trainer")
+LATE_ENV = "PAPERLINE_FORKSERVER_LATE"  # `off` in the server's environment: PRELOAD only (the
+# benchmark's baseline, benchmarks/forkserver.py)
 # What decides which code a fresh interpreter imports, fixed when the server started: a client
 # whose values differ (a Prefect workspace's PYTHONPATH, say) runs its stage itself.
 # So are the CPU kernels the libraries pick (read once, when torch and MKL load): stages/core/proc.py.
@@ -205,11 +214,24 @@ def _await_child(conn: socket.socket, pid: int) -> None:
                 _send(conn, {"exit": os.waitstatus_to_exitcode(status)})
 
 
+def _preload(names: tuple[str, ...]) -> None:
+    if "great_expectations" in names:  # set up as stages/core/checks.py `_gx` does before it
+        os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")  # (children get the client's
+        import logging  # environment back; GE reads this one when imported)
+
+        logging.getLogger("great_expectations").setLevel(logging.WARNING)
+    for name in names:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
+
+
 def serve(path: str) -> None:
     """Fork one child per connection, forever; the heavy libraries are imported when the first
     stage asks (that stage waits about as long as it would have imported them itself), so a
-    `paperline repro` with nothing to run costs nothing here."""
+    `paperline repro` with nothing to run costs nothing here; the second set right after that
+    stage is forked (a stage asking meanwhile waits for it, as it would import it itself)."""
     preloaded = False
+    later = os.environ.get(LATE_ENV, "").lower() in ("off", "0", "false")  # True: nothing later
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path + ".tmp")
     os.rename(path + ".tmp", path)  # connectable only once listening: clients never wait
@@ -230,9 +252,7 @@ def serve(path: str) -> None:
                 _send(conn, {"refused": f"{', '.join(differs)} differ from the server's"})
                 raise ValueError(differs)
             if not preloaded:
-                for name in PRELOAD:
-                    with contextlib.suppress(ImportError):
-                        importlib.import_module(name)
+                _preload(PRELOAD)
                 preloaded = True
             pid = os.fork()
         except (OSError, EOFError, ValueError):
@@ -250,6 +270,9 @@ def serve(path: str) -> None:
         except OSError:
             pass  # the client is gone; the child watches it and dies too
         threading.Thread(target=_await_child, args=(conn, pid), daemon=True).start()
+        if not later:
+            _preload(PRELOAD_AFTER_FIRST)
+            later = True
 
 
 @contextlib.contextmanager

@@ -107,3 +107,31 @@ def test_a_client_that_would_import_other_code_runs_the_stage_itself(tmp_path: P
         out, err = proc.communicate(timeout=120)
     assert proc.returncode == 2 and "nosuch" in err
     assert "shadow stages" in out, (out, err)
+
+
+def _imported(stderr: str, module: str) -> bool:
+    """Whether a process run with PYTHONPROFILEIMPORTTIME=1 imported `module` (its own line)."""
+    return any(line.startswith("import time:") and line.rstrip().endswith(f"| {module}")
+               for line in stderr.splitlines())
+
+
+@pytest.mark.slow
+def test_stages_after_the_first_find_great_expectations_imported(smoke_copy: Path):
+    """The server imports great-expectations right after it forks the first stage (not before:
+    the first stage does not wait for it), so a later stage validates its tables without
+    importing GE itself (4-6 s a stage on these machines). A forked child inherits the
+    server's import-time flag, so its imports show on the client's stderr."""
+    env = {**os.environ, "PYTHONPROFILEIMPORTTIME": "1", "PAPERLINE_CHECK_CACHE": "off",
+           "PAPERLINE_TRACKING": "off"}
+    with forkserver.running(smoke_copy, env) as env:
+        _wait_ready(env[forkserver.ENV])
+        runs = []
+        for _ in range(2):  # `tasks` validates every split it writes (the same bytes again)
+            proc = _stage(smoke_copy, env, "base", "tasks")
+            runs.append((proc.communicate(timeout=300), proc.returncode))
+    (_, first_err), first_rc = runs[0]
+    (_, second_err), second_rc = runs[1]
+    assert first_rc == second_rc == 0, (first_err[-2000:], second_err[-2000:])
+    assert _imported(first_err, "great_expectations")  # what this check sees when GE loads
+    assert not _imported(first_err, "torch")  # forked: the server had imported torch already
+    assert not _imported(second_err, "great_expectations")
