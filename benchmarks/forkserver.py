@@ -10,7 +10,7 @@ with `PAPERLINE_FORKSERVER=off` (every stage a fresh interpreter, as under a pla
 `dvc repro`). Reported: wall seconds and CPU seconds (user + system of the whole process
 tree, the server and its forks included), medians over the repeats, and their ratios. CPU
 seconds are what 2 busy cores make the suite pay, and they depend less on the machine's load
-than wall time does. The outputs of the two modes are compared too (every md5 in the lock).
+than wall time does. The outputs of the three modes are compared too (every md5 in the lock).
 
 `--write` replaces the "Fork server" section of benchmarks/RESULTS.md.
 """
@@ -53,10 +53,20 @@ def lock_md5s(repo: Path) -> list[str]:
                   for line in p.read_text().splitlines() if "md5:" in line)
 
 
+MODES = {  # name: (row label, environment)
+    "server": ("forked from the server (`paperline repro`, default)", {}),
+    "first": ("forked, the server importing only torch & co. (`PAPERLINE_FORKSERVER_LATE=off`)",
+              {"PAPERLINE_FORKSERVER_LATE": "off"}),
+    "fresh": ("fresh interpreters (`PAPERLINE_FORKSERVER=off`, as plain `dvc repro`)",
+              {"PAPERLINE_FORKSERVER": "off"}),
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--pipeline", default="base")
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
     cli = [sys.executable, "-m", "flows.cli", "repro", args.pipeline]
@@ -66,15 +76,16 @@ def main() -> None:
         subprocess.run(["git", "clone", "-q", str(ROOT), str(repo)], check=True)
         params = repo / "params.yaml"
         params.write_text(params.read_text().replace("profile: cpu", "profile: smoke", 1))
-        modes = {"server": env_for(repo),
-                 "first": env_for(repo, PAPERLINE_FORKSERVER_LATE="off"),
-                 "fresh": env_for(repo, PAPERLINE_FORKSERVER="off")}
         print(f"building {args.pipeline} at smoke in {repo} ...", flush=True)
-        run(cli, repo, modes["fresh"])
-        times: dict[str, list[tuple[float, float]]] = {m: [] for m in modes}
+        run(cli, repo, env_for(repo, PAPERLINE_FORKSERVER="off"))
+        times: dict[str, list[tuple[float, float]]] = {m: [] for m in args.modes}
         md5s: dict[str, list[str]] = {}
         for i in range(args.repeats):
-            for mode, env in modes.items():
+            for mode in args.modes:
+                # an empty check cache each run: every table validated as on its first run (a
+                # test's fresh copy, a user's new data), not remembered from the last repeat
+                cache = tmp / f"checks-{mode}-{i}"
+                env = env_for(repo, PAPERLINE_CHECK_CACHE=str(cache), **MODES[mode][1])
                 times[mode].append(run([*cli, "--force"], repo, env))
                 md5s[mode] = lock_md5s(repo)
             print(f"repeat {i + 1}/{args.repeats}: " + ", ".join(
@@ -85,28 +96,29 @@ def main() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
     med = {m: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v))
            for m, v in times.items()}
-    same = md5s["server"] == md5s["first"] == md5s["fresh"]
-    body = "\n".join([
+    same = len({tuple(v) for v in md5s.values()}) == 1
+    lines = [
         f"Command: `.venv/bin/python benchmarks/forkserver.py --repeats {args.repeats} "
-        f"--pipeline {args.pipeline} --write` (a fresh clone at the smoke profile; `paperline "
-        f"repro {args.pipeline} --force` in turn in the three modes below; medians; "
-        f"load average {load:.1f} at the end)",
+        f"--pipeline {args.pipeline} --modes {' '.join(args.modes)} --write` (a fresh clone at "
+        f"the smoke profile; `paperline repro {args.pipeline} --force` in turn in each mode "
+        f"below, every table validated afresh; medians; load average {load:.1f} at the end)",
         "",
         "| stages started | wall s | CPU s |",
         "|---|---|---|",
-        f"| forked from the server (`paperline repro`, default) | {med['server'][0]:.1f} | "
-        f"{med['server'][1]:.1f} |",
-        f"| forked, the server importing only torch & co. (`PAPERLINE_FORKSERVER_LATE=off`) | "
-        f"{med['first'][0]:.1f} | {med['first'][1]:.1f} |",
-        f"| fresh interpreters (`PAPERLINE_FORKSERVER=off`, as plain `dvc repro`) | "
-        f"{med['fresh'][0]:.1f} | {med['fresh'][1]:.1f} |",
+        *(f"| {MODES[m][0]} | {med[m][0]:.1f} | {med[m][1]:.1f} |" for m in args.modes),
         "",
-        f"- CPU: **{med['server'][1] / med['fresh'][1]:.2f}x**, wall "
-        f"{med['server'][0] / med['fresh'][0]:.2f}x with the server.",
-        f"- The server's second import (great-expectations, TRL) after the first fork: CPU "
-        f"**{med['server'][1] / med['first'][1]:.2f}x**, wall "
-        f"{med['server'][0] / med['first'][0]:.2f}x of the server without it.",
-        f"- Outputs of the three modes: {'every dvc.lock md5 equal' if same else 'DIFFER'}.",
+    ]
+    if "server" in med and "fresh" in med:
+        lines.append(f"- The server against fresh interpreters: CPU "
+                     f"**{med['server'][1] / med['fresh'][1]:.2f}x**, wall "
+                     f"{med['server'][0] / med['fresh'][0]:.2f}x.")
+    if "server" in med and "first" in med:
+        lines.append(f"- The server's second import (great-expectations, TRL) after the first "
+                     f"fork: CPU **{med['server'][1] / med['first'][1]:.2f}x**, wall "
+                     f"{med['server'][0] / med['first'][0]:.2f}x of the server without it.")
+    lines += [
+        f"- Outputs of the {len(args.modes)} modes: "
+        f"{'every dvc.lock md5 equal' if same else 'DIFFER'}.",
         "",
         "Why: a model stage imports torch, transformers' Llama, its Trainer and tokenizers "
         "(several CPU seconds) before its work; the server imports them once per `paperline "
@@ -114,7 +126,8 @@ def main() -> None:
         "writes a new table imports great-expectations to validate it (4-6 s here), an RL "
         "stage TRL's GRPO trainer: the server imports those right after it forks the first "
         "stage.",
-    ])
+    ]
+    body = "\n".join(lines)
     print(body)
     if args.write:
         write_section("Fork server", body)

@@ -116,6 +116,9 @@ def _gx() -> dict[str, Any]:
             # In memory only: no temporary data-docs site written to /tmp.
             config = DataContextConfig(
                 store_backend_defaults=InMemoryStoreBackendDefaults(init_temp_docs_sites=False))
+            # GE's modules turn this on when imported; the fork server imports them and turns it
+            # off again for the stages that never validate (stages/core/forkserver.py _preload)
+            logging.captureWarnings(True)
             context = gx.get_context(mode="ephemeral", project_config=config)
             context.variables.progress_bars = ProgressBarsConfig(globally=False)
             asset = context.data_sources.add_pandas("paperline").add_dataframe_asset("frame")

@@ -3,8 +3,9 @@
 Every DVC stage is a fresh `python -m stages <pipeline> <stage>` process, and a stage that loads
 a model spends seconds importing torch and transformers before its work starts (a tiny `smoke`
 stage often spends most of its life there; `benchmarks/RESULTS.md` "Stage start-up"). Under
-`paperline repro`, one server process imports those libraries once (when the first stage asks),
-and each stage process asks it for a forked copy of itself to run the stage in:
+`paperline repro`, one server process imports those libraries once (when the first stage asks;
+great-expectations and TRL right after it forks that stage), and each stage process asks it for
+a forked copy of itself to run the stage in:
 
     dvc ── sh -c ── python -m stages p s  (the *client*: what DVC started and waits for)
                           │  unix socket: argv, cwd, environment, and its stdin/stdout/stderr
@@ -58,8 +59,9 @@ PRELOAD = ("numpy", "polars", "pydantic", "yaml", "dvc.repo", "torch", "safetens
 # Imported right after the first stage is forked (that stage does not wait for them), for the
 # stages after it: great-expectations, which every stage that writes a new table imports to
 # validate it (about 4-6 s here, as long as torch and transformers together), and TRL's GRPO
-# trainer (about 1.7 s, every RL stage). A smoke `paperline repro hsir` imported GE 8 times
-# (38 s of its 126 s; `benchmarks/RESULTS.md` "Fork server").
+# trainer (about 1.7 s, every RL stage; it imports MLflow). Measured with PYTHONPROFILEIMPORTTIME:
+# the stages of a smoke `paperline repro hsir --force` imported GE 8 times, 38 s of its 126 s;
+# the saving side by side: `benchmarks/RESULTS.md` "Fork server".
 PRELOAD_AFTER_FIRST = ("great_expectations", "great_expectations.expectations",
                        "great_expectations.data_context.types.base", "trl.trainer.grpo_trainer")
 LATE_ENV = "PAPERLINE_FORKSERVER_LATE"  # `off` in the server's environment: PRELOAD only (the
@@ -215,23 +217,39 @@ def _await_child(conn: socket.socket, pid: int) -> None:
 
 
 def _preload(names: tuple[str, ...]) -> None:
-    if "great_expectations" in names:  # set up as stages/core/checks.py `_gx` does before it
-        os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")  # (children get the client's
-        import logging  # environment back; GE reads this one when imported)
+    """Import `names` here, each stage forked later then finds them imported. An import that
+    fails is left to the stages that need it (they import it themselves, as without a server).
+    The process-wide warning state is left as it was: importing GE turns on
+    `logging.captureWarnings` and some libraries add warning filters, and a stage that never
+    imports them must see what a fresh process sees (stages/core/checks.py `_gx` turns the
+    capture on in the stages that validate, as GE's import would)."""
+    import logging
+    import warnings
 
-        logging.getLogger("great_expectations").setLevel(logging.WARNING)
-    for name in names:
-        with contextlib.suppress(ImportError):
-            importlib.import_module(name)
+    # the project's setting (stages/core/tracking.py), read when MLflow is imported: TRL does
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    logging.getLogger("great_expectations").setLevel(logging.WARNING)  # as checks._gx does
+    capturing = logging._warnings_showwarning is not None  # type: ignore[attr-defined]
+    with warnings.catch_warnings():  # restores the filters and showwarning on exit
+        for name in names:
+            try:
+                importlib.import_module(name)
+            except Exception as exc:  # noqa: BLE001 (an optimisation only)
+                print(f"paperline fork server: {name} not preloaded: {exc!r}", file=sys.stderr)
+        logging.captureWarnings(capturing)
+    for stream in (sys.stdout, sys.stderr):  # nothing of ours left buffered for a child's fds
+        stream.flush()
 
 
 def serve(path: str) -> None:
     """Fork one child per connection, forever; the heavy libraries are imported when the first
     stage asks (that stage waits about as long as it would have imported them itself), so a
     `paperline repro` with nothing to run costs nothing here; the second set right after that
-    stage is forked (a stage asking meanwhile waits for it, as it would import it itself)."""
+    stage is forked (a stage asking meanwhile waits for the rest of that import: stages come
+    one at a time under `dvc repro`, so it is the next stage, which usually validates a table
+    and would have imported GE itself)."""
     preloaded = False
-    later = os.environ.get(LATE_ENV, "").lower() in ("off", "0", "false")  # True: nothing later
+    late_done = os.environ.get(LATE_ENV, "").lower() in ("off", "0", "false")
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path + ".tmp")
     os.rename(path + ".tmp", path)  # connectable only once listening: clients never wait
@@ -270,9 +288,9 @@ def serve(path: str) -> None:
         except OSError:
             pass  # the client is gone; the child watches it and dies too
         threading.Thread(target=_await_child, args=(conn, pid), daemon=True).start()
-        if not later:
+        if not late_done:
+            late_done = True
             _preload(PRELOAD_AFTER_FIRST)
-            later = True
 
 
 @contextlib.contextmanager
