@@ -12,7 +12,8 @@ tree, the server and its forks included), medians over the repeats, and their ra
 seconds are what 2 busy cores make the suite pay, and they depend less on the machine's load
 than wall time does. The outputs of the three modes are compared too (every md5 in the lock).
 
-`--write` replaces the "Fork server" section of benchmarks/RESULTS.md.
+`--write` replaces the "Fork server" section of benchmarks/RESULTS.md ("Fork server, late
+imports" when `--modes` leaves out `fresh`).
 """
 
 from __future__ import annotations
@@ -130,7 +131,9 @@ def main() -> None:
     body = "\n".join(lines)
     print(body)
     if args.write:
-        write_section("Fork server", body)
+        # the comparison with fresh interpreters, or only of the server's late imports
+        write_section("Fork server" if "fresh" in args.modes else "Fork server, late imports",
+                      body)
 
 
 if __name__ == "__main__":

@@ -61,7 +61,8 @@ PRELOAD = ("numpy", "polars", "pydantic", "yaml", "dvc.repo", "torch", "safetens
 # validate it (about 4-6 s here, as long as torch and transformers together), and TRL's GRPO
 # trainer (about 1.7 s, every RL stage; it imports MLflow). Measured with PYTHONPROFILEIMPORTTIME:
 # the stages of a smoke `paperline repro hsir --force` imported GE 8 times, 38 s of its 126 s;
-# the saving side by side: `benchmarks/RESULTS.md` "Fork server".
+# side by side: 0.69x the CPU of the server without them (`benchmarks/RESULTS.md` "Fork server,
+# late imports").
 PRELOAD_AFTER_FIRST = ("great_expectations", "great_expectations.expectations",
                        "great_expectations.data_context.types.base", "trl.trainer.grpo_trainer")
 LATE_ENV = "PAPERLINE_FORKSERVER_LATE"  # `off` in the server's environment: PRELOAD only (the
