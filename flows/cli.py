@@ -133,7 +133,8 @@ def _repro(root: Path, pipelines: list[str], args: argparse.Namespace) -> int:
     from stages.core import forkserver
 
     # one process imports torch & co. once; each stage runs in a fork of it (forkserver.py)
-    with forkserver.running(root, dict(os.environ)) as stage_env:
+    late = forkserver.late_imports([root / _dvcfile(root, p) for p in pipelines])
+    with forkserver.running(root, dict(os.environ), late) as stage_env:
         for p in pipelines:
             env = dict(stage_env)
             if spool:

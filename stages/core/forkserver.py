@@ -63,10 +63,14 @@ PRELOAD = ("numpy", "polars", "pydantic", "yaml", "dvc.repo", "torch", "safetens
 # the stages of a smoke `paperline repro hsir --force` imported GE 8 times, 38 s of its 126 s;
 # side by side: 0.69x the CPU of the server without them (`benchmarks/RESULTS.md` "Fork server,
 # late imports").
-PRELOAD_AFTER_FIRST = ("great_expectations", "great_expectations.expectations",
-                       "great_expectations.data_context.types.base", "trl.trainer.grpo_trainer")
-LATE_ENV = "PAPERLINE_FORKSERVER_LATE"  # `off` in the server's environment: PRELOAD only (the
-# benchmark's baseline, benchmarks/forkserver.py)
+GE_IMPORTS = ("great_expectations", "great_expectations.expectations",
+              "great_expectations.data_context.types.base")
+TRL_IMPORTS = ("trl.trainer.grpo_trainer",)  # only where a stage trains with GRPO (late_imports)
+PRELOAD_AFTER_FIRST = GE_IMPORTS + TRL_IMPORTS  # the default when nobody says which
+# The server's late imports, in its environment: unset, PRELOAD_AFTER_FIRST; `off`, none (PRELOAD
+# only: the benchmark's baseline, benchmarks/forkserver.py); else a comma-separated list of
+# modules (what `paperline repro` asks for: late_imports).
+LATE_ENV = "PAPERLINE_FORKSERVER_LATE"
 # What decides which code a fresh interpreter imports, fixed when the server started: a client
 # whose values differ (a Prefect workspace's PYTHONPATH, say) runs its stage itself.
 # So are the CPU kernels the libraries pick (read once, when torch and MKL load): stages/core/proc.py.
@@ -217,6 +221,23 @@ def _await_child(conn: socket.socket, pid: int) -> None:
                 _send(conn, {"exit": os.waitstatus_to_exitcode(status)})
 
 
+def late_imports(dvcfiles: list[Path]) -> tuple[str, ...]:
+    """What the server of a `paperline repro` of these pipelines (their dvc.yaml files) imports
+    after the first fork: great-expectations always (most stages validate a table), TRL only
+    when one of them has a stage that depends on the GRPO trainer (it costs ~2.5 s of CPU,
+    MLflow included, that 17 of 22 pipelines would never use)."""
+    grpo = any("stages/train/grpo_trainer.py" in Path(f).read_text() for f in dvcfiles)
+    return GE_IMPORTS + (TRL_IMPORTS if grpo else ())
+
+
+def _late_from_env(value: str | None) -> tuple[str, ...]:
+    if value is None:
+        return PRELOAD_AFTER_FIRST
+    if value.strip().lower() in ("", "off", "0", "false"):
+        return ()
+    return tuple(n.strip() for n in value.split(",") if n.strip())
+
+
 def _preload(names: tuple[str, ...]) -> None:
     """Import `names` here, each stage forked later then finds them imported. An import that
     fails is left to the stages that need it (they import it themselves, as without a server).
@@ -250,7 +271,8 @@ def serve(path: str) -> None:
     one at a time under `dvc repro`, so it is the next stage, which usually validates a table
     and would have imported GE itself)."""
     preloaded = False
-    late_done = os.environ.get(LATE_ENV, "").lower() in ("off", "0", "false")
+    late = _late_from_env(os.environ.get(LATE_ENV))
+    late_done = not late
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path + ".tmp")
     os.rename(path + ".tmp", path)  # connectable only once listening: clients never wait
@@ -291,14 +313,16 @@ def serve(path: str) -> None:
         threading.Thread(target=_await_child, args=(conn, pid), daemon=True).start()
         if not late_done:
             late_done = True
-            _preload(PRELOAD_AFTER_FIRST)
+            _preload(late)
 
 
 @contextlib.contextmanager
-def running(root: Path, env: dict[str, str]) -> Iterator[dict[str, str]]:
+def running(root: Path, env: dict[str, str],
+            late: tuple[str, ...] | None = None) -> Iterator[dict[str, str]]:
     """A fork server for the stages of one `paperline repro`: yields `env` with $ENV set (a stage
     that comes before the server listens starts normally); stops it by its PID on exit.
-    `PAPERLINE_FORKSERVER=off` in `env` turns it off."""
+    `PAPERLINE_FORKSERVER=off` in `env` turns it off. `late`: what the server imports after the
+    first fork (default PRELOAD_AFTER_FIRST); $PAPERLINE_FORKSERVER_LATE in `env` wins."""
     if env.get(ENV, "").lower() in ("off", "0", "false") or not hasattr(socket, "send_fds"):
         yield {k: v for k, v in env.items() if k != ENV}
         return
@@ -308,6 +332,8 @@ def running(root: Path, env: dict[str, str]) -> Iterator[dict[str, str]]:
     path = os.path.join(folder, "sock")
     server_env = dict(env, **fixed_env(env))  # what every stage runs under
     server_env.pop(ENV, None)
+    if late is not None and LATE_ENV not in env:
+        server_env[LATE_ENV] = ",".join(late) or "off"
     proc = subprocess.Popen([sys.executable, "-m", "stages.core.forkserver", path],
                             cwd=root, env=server_env, stdin=subprocess.DEVNULL,
                             preexec_fn=kill_with_parent())

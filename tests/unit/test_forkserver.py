@@ -109,6 +109,21 @@ def test_a_client_that_would_import_other_code_runs_the_stage_itself(tmp_path: P
     assert "shadow stages" in out, (out, err)
 
 
+def test_trl_is_imported_late_only_for_pipelines_that_train_with_grpo():
+    """GE for every pipeline; TRL (and the MLflow it imports) only where a stage depends on the
+    GRPO trainer; the environment's setting wins, `off` meaning nothing late."""
+    dvcfile = {p: REPO / "pipelines" / p / "dvc.yaml" for p in ("hsir", "ddr", "gift")}
+    assert forkserver.late_imports([dvcfile["ddr"]]) == forkserver.GE_IMPORTS
+    assert forkserver.late_imports([dvcfile["ddr"], dvcfile["gift"]]) == forkserver.GE_IMPORTS
+    with_trl = forkserver.late_imports([dvcfile["ddr"], dvcfile["hsir"]])
+    assert with_trl == forkserver.GE_IMPORTS + forkserver.TRL_IMPORTS
+    assert forkserver.late_imports([REPO / "dvc.yaml"]) == forkserver.GE_IMPORTS  # base
+    assert forkserver._late_from_env(None) == forkserver.PRELOAD_AFTER_FIRST
+    for off in ("off", "OFF", "0", "false", ""):
+        assert forkserver._late_from_env(off) == ()
+    assert forkserver._late_from_env(",".join(with_trl)) == with_trl
+
+
 def _imported(stderr: str, module: str) -> bool:
     """Whether a process run with PYTHONPROFILEIMPORTTIME=1 imported `module`, at any depth
     (`import time: self | cumulative |   <indent>name`)."""
