@@ -4,8 +4,8 @@ Every DVC stage is a fresh `python -m stages <pipeline> <stage>` process, and a 
 a model spends seconds importing torch and transformers before its work starts (a tiny `smoke`
 stage often spends most of its life there; `benchmarks/RESULTS.md` "Stage start-up"). Under
 `paperline repro`, one server process imports those libraries once (when the first stage asks;
-great-expectations and TRL right after it forks that stage), and each stage process asks it for
-a forked copy of itself to run the stage in:
+great-expectations, and TRL where a pipeline trains with GRPO, right after it forks that stage),
+and each stage process asks it for a forked copy of itself to run the stage in:
 
     dvc ── sh -c ── python -m stages p s  (the *client*: what DVC started and waits for)
                           │  unix socket: argv, cwd, environment, and its stdin/stdout/stderr
@@ -59,7 +59,8 @@ PRELOAD = ("numpy", "polars", "pydantic", "yaml", "dvc.repo", "torch", "safetens
 # Imported right after the first stage is forked (that stage does not wait for them), for the
 # stages after it: great-expectations, which every stage that writes a new table imports to
 # validate it (about 4-6 s here, as long as torch and transformers together), and TRL's GRPO
-# trainer (about 1.7 s, every RL stage; it imports MLflow). Measured with PYTHONPROFILEIMPORTTIME:
+# trainer (2-2.5 s here with the MLflow it imports; every RL stage). Measured with
+# PYTHONPROFILEIMPORTTIME:
 # the stages of a smoke `paperline repro hsir --force` imported GE 8 times, 38 s of its 126 s;
 # side by side: 0.69x the CPU of the server without them (`benchmarks/RESULTS.md` "Fork server,
 # late imports").
@@ -67,9 +68,9 @@ GE_IMPORTS = ("great_expectations", "great_expectations.expectations",
               "great_expectations.data_context.types.base")
 TRL_IMPORTS = ("trl.trainer.grpo_trainer",)  # only where a stage trains with GRPO (late_imports)
 PRELOAD_AFTER_FIRST = GE_IMPORTS + TRL_IMPORTS  # the default when nobody says which
-# The server's late imports, in its environment: unset, PRELOAD_AFTER_FIRST; `off`, none (PRELOAD
-# only: the benchmark's baseline, benchmarks/forkserver.py); else a comma-separated list of
-# modules (what `paperline repro` asks for: late_imports).
+# The server's late imports, in its environment: unset, empty or `on`, PRELOAD_AFTER_FIRST;
+# `off`, none (PRELOAD only: the benchmark's baseline, benchmarks/forkserver.py); else a
+# comma-separated list of modules (what `paperline repro` asks for: late_imports).
 LATE_ENV = "PAPERLINE_FORKSERVER_LATE"
 # What decides which code a fresh interpreter imports, fixed when the server started: a client
 # whose values differ (a Prefect workspace's PYTHONPATH, say) runs its stage itself.
@@ -221,19 +222,24 @@ def _await_child(conn: socket.socket, pid: int) -> None:
                 _send(conn, {"exit": os.waitstatus_to_exitcode(status)})
 
 
-def late_imports(dvcfiles: list[Path]) -> tuple[str, ...]:
+def late_imports(dvcfiles: list[Path]) -> tuple[str, ...] | None:
     """What the server of a `paperline repro` of these pipelines (their dvc.yaml files) imports
     after the first fork: great-expectations always (most stages validate a table), TRL only
-    when one of them has a stage that depends on the GRPO trainer (it costs ~2.5 s of CPU,
-    MLflow included, that 17 of 22 pipelines would never use)."""
-    grpo = any("stages/train/grpo_trainer.py" in Path(f).read_text() for f in dvcfiles)
+    when one of them has a stage that depends on the GRPO trainer (2-2.5 s of CPU, MLflow
+    included, that 17 of 22 pipelines would never use). Upstream pipelines' files are not
+    read: no pipeline's GRPO stage is upstream of another today, and a miss costs time only.
+    None (the default list) when a file cannot be read: this never fails a repro."""
+    try:
+        grpo = any(b"stages/train/grpo_trainer.py" in Path(f).read_bytes() for f in dvcfiles)
+    except OSError:
+        return None
     return GE_IMPORTS + (TRL_IMPORTS if grpo else ())
 
 
 def _late_from_env(value: str | None) -> tuple[str, ...]:
-    if value is None:
+    if value is None or value.strip().lower() in ("", "on", "1", "true"):
         return PRELOAD_AFTER_FIRST
-    if value.strip().lower() in ("", "off", "0", "false"):
+    if value.strip().lower() in ("off", "0", "false"):
         return ()
     return tuple(n.strip() for n in value.split(",") if n.strip())
 
@@ -332,7 +338,7 @@ def running(root: Path, env: dict[str, str],
     path = os.path.join(folder, "sock")
     server_env = dict(env, **fixed_env(env))  # what every stage runs under
     server_env.pop(ENV, None)
-    if late is not None and LATE_ENV not in env:
+    if late is not None and not env.get(LATE_ENV, "").strip():  # the user's setting wins
         server_env[LATE_ENV] = ",".join(late) or "off"
     proc = subprocess.Popen([sys.executable, "-m", "stages.core.forkserver", path],
                             cwd=root, env=server_env, stdin=subprocess.DEVNULL,

@@ -118,10 +118,42 @@ def test_trl_is_imported_late_only_for_pipelines_that_train_with_grpo():
     with_trl = forkserver.late_imports([dvcfile["ddr"], dvcfile["hsir"]])
     assert with_trl == forkserver.GE_IMPORTS + forkserver.TRL_IMPORTS
     assert forkserver.late_imports([REPO / "dvc.yaml"]) == forkserver.GE_IMPORTS  # base
-    assert forkserver._late_from_env(None) == forkserver.PRELOAD_AFTER_FIRST
-    for off in ("off", "OFF", "0", "false", ""):
+    assert forkserver.late_imports([REPO / "pipelines" / "nosuch" / "dvc.yaml"]) is None
+    for default in (None, "", " ", "on", "1", "true"):
+        assert forkserver._late_from_env(default) == forkserver.PRELOAD_AFTER_FIRST
+    for off in ("off", "OFF", "0", "false"):
         assert forkserver._late_from_env(off) == ()
     assert forkserver._late_from_env(",".join(with_trl)) == with_trl
+
+
+class _FakeServer:
+    """Stands in for the server process only to see the environment `running` starts it with."""
+    started: list[dict] = []
+
+    def __init__(self, args: list[str], **kw: object) -> None:
+        _FakeServer.started.append(dict(kw["env"]))  # type: ignore[arg-type]
+
+    def terminate(self) -> None: ...
+
+    def wait(self, timeout: float | None = None) -> int:
+        return 0
+
+
+def test_the_late_list_reaches_the_server_only_and_the_users_setting_wins(monkeypatch):
+    monkeypatch.setattr(forkserver.subprocess, "Popen", _FakeServer)
+    base = {k: v for k, v in os.environ.items() if k != forkserver.LATE_ENV}
+    cases = [({}, forkserver.GE_IMPORTS, ",".join(forkserver.GE_IMPORTS)),
+             ({}, (), "off"),
+             ({forkserver.LATE_ENV: "off"}, forkserver.GE_IMPORTS, "off"),
+             ({forkserver.LATE_ENV: ""}, forkserver.GE_IMPORTS, ",".join(forkserver.GE_IMPORTS)),
+             ({}, None, None)]
+    for user, late, server_sees in cases:
+        _FakeServer.started.clear()
+        with forkserver.running(REPO, {**base, **user}, late) as stage_env:
+            # the stages get the user's environment, never the list meant for the server
+            assert stage_env.get(forkserver.LATE_ENV) == user.get(forkserver.LATE_ENV)
+        (server_env,) = _FakeServer.started
+        assert server_env.get(forkserver.LATE_ENV) == server_sees, (user, late)
 
 
 def _imported(stderr: str, module: str) -> bool:
