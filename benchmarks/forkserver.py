@@ -1,6 +1,7 @@
 """The fork server's saving: a smoke `paperline repro --force` with and without it, side by side.
 
-    .venv/bin/python benchmarks/forkserver.py [--repeats 2] [--pipeline base] [--write]
+    .venv/bin/python benchmarks/forkserver.py [--repeats 2] [--pipeline base]
+        [--modes server first fresh] [--write]
 
 In a fresh clone at the smoke profile, after one build, `paperline repro <pipeline> --force`
 (every stage of the pipeline and its upstream recomputed) runs in turn with the fork server

@@ -244,13 +244,16 @@ def _late_from_env(value: str | None) -> tuple[str, ...]:
     return tuple(n.strip() for n in value.split(",") if n.strip())
 
 
-def _preload(names: tuple[str, ...]) -> None:
+def _preload(names: tuple[str, ...], *, keep_warning_state: bool = False) -> None:
     """Import `names` here, each stage forked later then finds them imported. An import that
     fails is left to the stages that need it (they import it themselves, as without a server).
-    The process-wide warning state is left as it was: importing GE turns on
-    `logging.captureWarnings` and some libraries add warning filters, and a stage that never
-    imports them must see what a fresh process sees (stages/core/checks.py `_gx` turns the
-    capture on in the stages that validate, as GE's import would)."""
+
+    `keep_warning_state` (the late set): the process-wide warning state is left as it was.
+    Importing GE turns on `logging.captureWarnings` and some libraries add warning filters, and
+    a stage that never imports them must see what a fresh process sees (stages/core/checks.py
+    `_gx` turns the capture on in the stages that validate, as GE's import would). Not for
+    PRELOAD: every model stage imports torch and transformers, whose filters (e.g. torch's
+    lr_scheduler UserWarnings ignored) a fresh process would have too."""
     import logging
     import warnings
 
@@ -258,13 +261,15 @@ def _preload(names: tuple[str, ...]) -> None:
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     logging.getLogger("great_expectations").setLevel(logging.WARNING)  # as checks._gx does
     capturing = logging._warnings_showwarning is not None  # type: ignore[attr-defined]
-    with warnings.catch_warnings():  # restores the filters and showwarning on exit
+    # catch_warnings restores the filters and showwarning on exit
+    with warnings.catch_warnings() if keep_warning_state else contextlib.nullcontext():
         for name in names:
             try:
                 importlib.import_module(name)
             except Exception as exc:  # noqa: BLE001 (an optimisation only)
                 print(f"paperline fork server: {name} not preloaded: {exc!r}", file=sys.stderr)
-        logging.captureWarnings(capturing)
+        if keep_warning_state:
+            logging.captureWarnings(capturing)
     for stream in (sys.stdout, sys.stderr):  # nothing of ours left buffered for a child's fds
         stream.flush()
 
@@ -319,7 +324,7 @@ def serve(path: str) -> None:
         threading.Thread(target=_await_child, args=(conn, pid), daemon=True).start()
         if not late_done:
             late_done = True
-            _preload(late)
+            _preload(late, keep_warning_state=True)
 
 
 @contextlib.contextmanager

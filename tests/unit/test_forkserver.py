@@ -183,3 +183,27 @@ def test_stages_after_the_first_find_great_expectations_imported(smoke_copy: Pat
     assert _imported(first_err, "great_expectations")  # what this check sees when GE loads
     assert not _imported(first_err, "torch")  # forked: the server had imported torch already
     assert not _imported(second_err, "great_expectations")
+
+
+def test_the_late_imports_leave_the_warning_state_the_first_ones_keep_theirs(tmp_path: Path):
+    """A module that adds a warning filter and turns on logging's capture of warnings (as GE's
+    modules do), preloaded as the late set: both undone, so a stage that never imports it sees
+    what a fresh process sees; preloaded as the first set (torch, transformers: every model
+    stage imports them): kept, as a fresh process that imports them has them."""
+    (tmp_path / "noisy_mod.py").write_text(
+        "import logging, warnings\n"
+        "warnings.filterwarnings('ignore', message='paperline-test')\n"
+        "logging.captureWarnings(True)\n")
+    probe = ("import logging, sys, warnings\n"
+             "from stages.core import forkserver\n"
+             "n = len(warnings.filters)\n"
+             "forkserver._preload(('noisy_mod',), keep_warning_state=sys.argv[1] == 'late')\n"
+             "print(len(warnings.filters) - n, logging._warnings_showwarning is not None)\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}
+    got = {}
+    for which in ("late", "first"):
+        proc = subprocess.run([sys.executable, "-c", probe, which], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        got[which] = proc.stdout.split()
+    assert got == {"late": ["0", "False"], "first": ["1", "True"]}
