@@ -153,11 +153,12 @@ def validate_rollouts(episodes: pl.DataFrame, steps: pl.DataFrame, name: str) ->
 
 def write_rollouts(folder: str | os.PathLike[str], episodes: pl.DataFrame,
                    steps: pl.DataFrame) -> Path:
-    """Validate, then write both tables into `folder` atomically (the whole folder)."""
+    """Validate, then write both tables into `folder` atomically (the whole folder), each in
+    `io.write_parquet`'s canonical layout (the same rows, the same bytes, however chunked)."""
     validate_rollouts(episodes, steps, str(folder))
     with io.atomic_path(folder, is_dir=True) as tmp:
-        episodes.write_parquet(tmp / "episodes.parquet")
-        steps.write_parquet(tmp / "steps.parquet")
+        io.write_parquet(tmp / "episodes.parquet", episodes)
+        io.write_parquet(tmp / "steps.parquet", steps)
     return Path(folder)
 
 

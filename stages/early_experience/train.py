@@ -127,9 +127,10 @@ class Config(BaseModel):
     @classmethod
     def _k_sweep(cls, v: list[int]) -> list[int]:
         bad = [k for k in v if not 1 <= k <= 64]
-        if bad or len(set(v)) != len(v):
-            raise ValueError(f"train.k_sweep {v}: repeated, or {bad} not in [1, 64] "
-                             "(alternatives per state)")
+        if bad:
+            raise ValueError(f"train.k_sweep {v}: {bad} not in [1, 64] (alternatives per state)")
+        if len(set(v)) != len(v):
+            raise ValueError(f"train.k_sweep {v}: repeated K")
         return v
 
     @model_validator(mode="after")

@@ -221,7 +221,7 @@ def test_settings_and_bad_params_rejected_by_name():
                       ({"sweep_arms": []}, "sweep_arms"),
                       ({"fractions": [0.25, 0.5, 0.25]}, "train.fractions .* repeated"),
                       ({"fractions": [0.5, 0.5000001]}, "repeated fraction"),
-                      ({"k_sweep": [1, 2, 1]}, "train.k_sweep .* repeated"),
+                      ({"k_sweep": [1, 2, 1]}, "train.k_sweep .*: repeated K"),
                       ({"k_sweep": [0, 2]}, r"\[0\] not in \[1, 64\]"),
                       ({"k_sweep": [2, 65]}, r"\[65\] not in \[1, 64\]"),
                       ({"arms": ["il", "iwm"], "fractions": [0.5], "sweep_arms": ["iwm"]},
