@@ -46,6 +46,7 @@ def env_for(repo: Path, **extra: str) -> dict[str, str]:
            **extra}
     env.pop("MLFLOW_TRACKING_URI", None)
     env.pop("PAPERLINE_PARENT_RUN_ID", None)
+    env.pop("PAPERLINE_FORKSERVER_SHARED", None)  # each repro starts its own, as a user's does
     return env
 
 

@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -157,6 +158,29 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(_EXIT_STATUS[-1] if _EXIT_STATUS else 1)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_forkserver() -> Iterator[None]:
+    """One fork server for every `paperline repro` of this test process (stages/core/forkserver.py
+    `SHARED_ENV`): torch, transformers, great-expectations and TRL are imported once per pytest
+    worker instead of once per repro (~30 repros in `make test`; `benchmarks/RESULTS.md` "Fork
+    server, shared"). What a stage computes does not change (each child imports the project's
+    code afresh from its clone, and a client whose interpreter settings differ runs the stage
+    itself); tests of the server itself start their own (tests/unit/test_forkserver.py).
+    `PAPERLINE_FORKSERVER_SHARED=off`: every repro starts its own, as a user's does."""
+    from stages.core import forkserver
+
+    if os.environ.get(forkserver.SHARED_ENV):  # off, or a server someone else started
+        yield
+        return
+    with forkserver.running(REPO, dict(os.environ)) as env:
+        if forkserver.ENV in env:  # not with PAPERLINE_FORKSERVER=off
+            os.environ[forkserver.SHARED_ENV] = env[forkserver.ENV]
+        try:
+            yield
+        finally:
+            os.environ.pop(forkserver.SHARED_ENV, None)
 
 
 @pytest.fixture(scope="session")

@@ -12,19 +12,22 @@ and each stage process asks it for a forked copy of itself to run the stage in:
     paperline ── server ──┴── fork ── the stage runs here: `stages.__main__.main(argv)`
 
 What the stage computes does not change: the child starts from the state the server reached by
-importing third-party libraries only (never a `stages` module that computes anything, so a code
-change is always seen), with the client's working directory, environment, argv and standard
-streams, under the same `PYTHONHASHSEED` (stages/core/proc.py), and seeds everything it uses as
-it does in a fresh process. No torch op runs in the server, so no thread pool exists to be lost
+importing third-party libraries only (the few project modules the server itself runs are
+forgotten in the child, which imports the project from its client's clone, so a code change is
+always seen), with the client's working directory, environment, argv and standard streams,
+under the same `PYTHONHASHSEED` (stages/core/proc.py), and seeds everything it uses as it does
+in a fresh process. No torch op runs in the server, so no thread pool exists to be lost
 in the fork.
 
 Life and death are the client's, as DVC sees them: the client forwards SIGINT, SIGTERM, SIGHUP
 and SIGQUIT to the child and exits with the child's status (killed by a signal: the client kills
 itself with the same signal); the child dies when the client dies (it watches the client the way
 `proc.die_with_parent` watches a stage's owner, so `proc.check_owner` still refuses to write for
-an abandoned run), and the server dies with `paperline repro`. Where no server answers (plain
-`dvc repro`, a server still importing, a Prefect worker) the client runs the stage itself, as
-before: the server is an optimisation only, never a requirement.
+an abandoned run), and the server dies with `paperline repro` (a shared server, named by
+$PAPERLINE_FORKSERVER_SHARED, with whoever started it: the test session, tests/conftest.py).
+Where no server answers (plain `dvc repro`, a server still importing, a Prefect worker) the
+client runs the stage itself, as before: the server is an optimisation only, never a
+requirement.
 
 Only processes of this user can connect: the socket lives in a private (0700) directory and the
 server checks each peer's uid (SO_PEERCRED).
@@ -50,6 +53,11 @@ from collections.abc import Iterator
 from stages.core.proc import AVX2_KERNELS  # standard library only
 
 ENV = "PAPERLINE_FORKSERVER"  # the socket's path, set for stage processes by `paperline repro`
+# The socket of a server that outlives one `paperline repro`, started by whoever runs many of
+# them (the test session: tests/conftest.py): `running` hands it to the stages instead of
+# starting a server of its own, so torch & co. are imported once for all the repros, not once
+# for each (`benchmarks/RESULTS.md` "Fork server, shared").
+SHARED_ENV = "PAPERLINE_FORKSERVER_SHARED"
 # What a model stage imports before its work (torch, transformers' Llama, its Trainer and
 # tokenizers, the data stack). Third-party only: project modules are imported by each child.
 # DVC's Repo: every stage reads its own deps through it for its tracking key (core/tracking.py).
@@ -75,8 +83,11 @@ LATE_ENV = "PAPERLINE_FORKSERVER_LATE"
 # What decides which code a fresh interpreter imports, fixed when the server started: a client
 # whose values differ (a Prefect workspace's PYTHONPATH, say) runs its stage itself.
 # So are the CPU kernels the libraries pick (read once, when torch and MKL load): stages/core/proc.py.
+# So are the Hugging Face settings huggingface_hub and transformers read when imported (a shared
+# server's clients need not share the environment it was started with).
 SAME_ENV = ("PYTHONPATH", "PYTHONHASHSEED", "PYTHONHOME", "PYTHONSAFEPATH", "VIRTUAL_ENV",
-            "PAPERLINE_CPU_ISA", *AVX2_KERNELS)
+            "PAPERLINE_CPU_ISA", *AVX2_KERNELS, "HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE",
+            "TRANSFORMERS_OFFLINE")
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 _HEADER = struct.Struct("!I")
 
@@ -176,6 +187,10 @@ def _run_child(conn: socket.socket, request: dict, fds: list[int]) -> None:
         os.environ.update(request["env"])
         sys.argv = [sys.argv[0], *request["argv"]]
         sys.path[0] = request["cwd"]
+        # the project's own modules come from where a fresh `python -m stages` in this cwd
+        # finds them (the client's clone), not from the server's: forget the few it imported
+        for name in [n for n in sys.modules if n == "stages" or n.startswith("stages.")]:
+            del sys.modules[name]
         for sig in FORWARDED + (signal.SIGCHLD,):
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -327,15 +342,34 @@ def serve(path: str) -> None:
             _preload(late, keep_warning_state=True)
 
 
+def listening(path: str) -> bool:
+    """Whether a server accepts connections on the socket `path` (it reads the empty request
+    as a client gone and goes on)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        sock.close()
+
+
 @contextlib.contextmanager
 def running(root: Path, env: dict[str, str],
             late: tuple[str, ...] | None = None) -> Iterator[dict[str, str]]:
     """A fork server for the stages of one `paperline repro`: yields `env` with $ENV set (a stage
     that comes before the server listens starts normally); stops it by its PID on exit.
-    `PAPERLINE_FORKSERVER=off` in `env` turns it off. `late`: what the server imports after the
-    first fork (default PRELOAD_AFTER_FIRST); $PAPERLINE_FORKSERVER_LATE in `env` wins."""
+    `PAPERLINE_FORKSERVER=off` in `env` turns it off; $PAPERLINE_FORKSERVER_SHARED naming a
+    server that listens: that one, none started (its late imports are its own). `late`: what
+    the server imports after the first fork (default PRELOAD_AFTER_FIRST);
+    $PAPERLINE_FORKSERVER_LATE in `env` wins."""
     if env.get(ENV, "").lower() in ("off", "0", "false") or not hasattr(socket, "send_fds"):
         yield {k: v for k, v in env.items() if k != ENV}
+        return
+    shared = env.get(SHARED_ENV, "")
+    if shared and listening(shared):  # a server that outlives this repro: its owner stops it
+        yield dict(env, **{ENV: shared})
         return
     from stages.core.proc import fixed_env, kill_with_parent
 

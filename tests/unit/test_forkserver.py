@@ -21,6 +21,12 @@ from stages.core import forkserver
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.fixture(autouse=True)
+def _own_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests start and watch servers of their own, not the session's (tests/conftest.py)."""
+    monkeypatch.delenv(forkserver.SHARED_ENV, raising=False)
+
+
 def _wait_ready(path: str, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while not os.path.exists(path):
@@ -107,6 +113,61 @@ def test_a_client_that_would_import_other_code_runs_the_stage_itself(tmp_path: P
         out, err = proc.communicate(timeout=120)
     assert proc.returncode == 2 and "nosuch" in err
     assert "shadow stages" in out, (out, err)
+
+
+def _shadow_stages(root: Path) -> Path:
+    """A copy of `stages` under `root` whose `main` prints the pid that runs it."""
+    shutil.copytree(REPO / "stages", root / "stages", ignore=shutil.ignore_patterns("__pycache__"))
+    main = root / "stages" / "__main__.py"
+    text = main.read_text()
+    marker = "def main(argv: list[str] | None = None) -> int:\n"
+    assert marker in text
+    main.write_text(text.replace(
+        marker, marker + "    print('shadow stages in', __import__('os').getpid(), flush=True)\n"))
+    return root
+
+
+def test_a_forked_stage_imports_the_project_from_its_clients_clone(tmp_path: Path):
+    """The server imported `stages` (its own module, `proc`) from where it started; a stage
+    asked from another clone runs that clone's code, as a fresh `python -m stages` there
+    would: the child forgets the project modules it inherited (a shared server serves every
+    repo copy of a test session)."""
+    shadow = _shadow_stages(tmp_path / "clone")
+    (shadow / ".dvc").mkdir()  # a repo root, as a clone is
+    shutil.copy(REPO / "params.yaml", shadow / "params.yaml")
+    with forkserver.running(REPO, {**os.environ, forkserver.LATE_ENV: "off"}) as env:
+        _wait_ready(env[forkserver.ENV])
+        proc = _stage(shadow, env, "nosuch", "tasks")
+        out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "nosuch" in err, (out, err)
+    (line,) = [ln for ln in out.splitlines() if ln.startswith("shadow stages in")]
+    assert int(line.split()[-1]) != proc.pid  # run by the forked child, not by the client
+
+
+def test_a_shared_server_serves_each_repro_and_outlives_it(monkeypatch, tmp_path: Path):
+    """$PAPERLINE_FORKSERVER_SHARED naming a listening server: `running` starts none and hands
+    that one to the stages; naming a socket nobody listens on: it starts its own as usual."""
+    with forkserver.running(REPO, {**os.environ, forkserver.LATE_ENV: "off"}) as env:
+        path = env[forkserver.ENV]
+        _wait_ready(path)
+        server = _server(path)
+        real_popen = subprocess.Popen
+        monkeypatch.setattr(forkserver.subprocess, "Popen", _FakeServer)  # a start is recorded
+        _FakeServer.started.clear()
+        with forkserver.running(REPO, {**os.environ, forkserver.SHARED_ENV: path}) as stage_env:
+            assert stage_env[forkserver.ENV] == path
+            proc = real_popen([sys.executable, "-m", "stages", "nosuch", "tasks"], cwd=REPO,
+                              env=stage_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
+            _, err = proc.communicate(timeout=120)
+            assert proc.returncode == 2 and "nosuch" in err
+        assert _FakeServer.started == [] and forkserver.listening(path)
+        assert server.is_running()
+        gone = str(tmp_path / "gone.sock")
+        with forkserver.running(REPO, {**os.environ, forkserver.SHARED_ENV: gone}) as stage_env:
+            assert stage_env[forkserver.ENV] != gone
+        assert len(_FakeServer.started) == 1
+    assert not forkserver.listening(path)
 
 
 def test_trl_is_imported_late_only_for_pipelines_that_train_with_grpo():
