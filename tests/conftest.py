@@ -166,8 +166,10 @@ def shared_forkserver() -> Iterator[None]:
     `SHARED_ENV`): torch, transformers, great-expectations and TRL are imported once per pytest
     worker instead of once per repro (~30 repros in `make test`; `benchmarks/RESULTS.md` "Fork
     server, shared"). What a stage computes does not change (each child imports the project's
-    code afresh from its clone, and a client whose interpreter settings differ runs the stage
-    itself); tests of the server itself start their own (tests/unit/test_forkserver.py).
+    code as a fresh `python -m stages` in its working directory would, on the client's CPUs,
+    and a client whose interpreter settings differ runs the stage itself); tests of the server
+    itself start their own (tests/unit/test_forkserver.py), and so does one end-to-end repro
+    (tests/pipelines/test_crash.py, two repros taking turns).
     `PAPERLINE_FORKSERVER_SHARED=off`: every repro starts its own, as a user's does."""
     from stages.core import forkserver
 

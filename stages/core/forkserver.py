@@ -13,11 +13,12 @@ and each stage process asks it for a forked copy of itself to run the stage in:
 
 What the stage computes does not change: the child starts from the state the server reached by
 importing third-party libraries only (the few project modules the server itself runs are
-forgotten in the child, which imports the project from its client's clone, so a code change is
-always seen), with the client's working directory, environment, argv and standard streams,
-under the same `PYTHONHASHSEED` (stages/core/proc.py), and seeds everything it uses as it does
-in a fresh process. No torch op runs in the server, so no thread pool exists to be lost
-in the fork.
+forgotten in the child, which imports the project from wherever a fresh `python -m stages` in
+the client's working directory would: sys.path[0], PYTHONPATH, the editable install; so a code
+change is always seen), with the client's working directory, environment, CPU affinity, umask,
+argv and standard streams, under the same `PYTHONHASHSEED` (stages/core/proc.py), and seeds
+everything it uses as it does in a fresh process. No torch op runs in the server, so no thread
+pool exists to be lost in the fork.
 
 Life and death are the client's, as DVC sees them: the client forwards SIGINT, SIGTERM, SIGHUP
 and SIGQUIT to the child and exits with the child's status (killed by a signal: the client kills
@@ -82,12 +83,17 @@ PRELOAD_AFTER_FIRST = GE_IMPORTS + TRL_IMPORTS  # the default when nobody says w
 LATE_ENV = "PAPERLINE_FORKSERVER_LATE"
 # What decides which code a fresh interpreter imports, fixed when the server started: a client
 # whose values differ (a Prefect workspace's PYTHONPATH, say) runs its stage itself.
-# So are the CPU kernels the libraries pick (read once, when torch and MKL load): stages/core/proc.py.
-# So are the Hugging Face settings huggingface_hub and transformers read when imported (a shared
-# server's clients need not share the environment it was started with).
+# So are the CPU kernels the libraries pick (read once, when torch and MKL load):
+# stages/core/proc.py.
+# So are what the libraries read when imported or loaded: Hugging Face's cache and offline
+# settings, the thread pools' sizes, the visible GPUs (a shared server outlives the environment
+# of the repro that started it: each client must match the one it was started with).
 SAME_ENV = ("PYTHONPATH", "PYTHONHASHSEED", "PYTHONHOME", "PYTHONSAFEPATH", "VIRTUAL_ENV",
-            "PAPERLINE_CPU_ISA", *AVX2_KERNELS, "HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE",
-            "TRANSFORMERS_OFFLINE")
+            "PAPERLINE_CPU_ISA", *AVX2_KERNELS, "HF_HOME", "HF_HUB_CACHE",
+            "HUGGINGFACE_HUB_CACHE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "XDG_CACHE_HOME",
+            "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
+            "CUDA_VISIBLE_DEVICES")
+CONNECT_TIMEOUT = 10.0  # seconds; a listening server accepts at once (its backlog)
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 _HEADER = struct.Struct("!I")
 
@@ -124,6 +130,17 @@ def _recv(sock: socket.socket, fds: list[int] | None = None) -> dict:
 # Client: the `python -m stages` process DVC started
 
 
+def _process_state() -> dict:
+    """What a process inherits besides its environment and that a stage's result can depend
+    on: the CPUs it may run on (torch's thread count follows them, stages/models/base.py) and
+    the umask its files are created with. The child takes the client's."""
+    state: dict = {"umask": os.umask(0o022)}
+    os.umask(state["umask"])
+    if hasattr(os, "sched_getaffinity"):
+        state["cpus"] = sorted(os.sched_getaffinity(0))
+    return state
+
+
 def delegate(argv: list[str]) -> int | None:
     """Run the stage in a forked child of the server named by $PAPERLINE_FORKSERVER and return
     its exit code; None when no server answers (the caller then runs the stage itself)."""
@@ -131,16 +148,18 @@ def delegate(argv: list[str]) -> int | None:
     if not path:
         return None
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(CONNECT_TIMEOUT)  # a wedged server: run here rather than wait on it
     try:
         sock.connect(path)
     except OSError:
         sock.close()
         return None
+    sock.settimeout(None)  # the answer comes after the server's first imports: seconds
     try:
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         _send(sock, {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ),
-                     "client": os.getpid()}, [0, 1, 2])
+                     "client": os.getpid(), **_process_state()}, [0, 1, 2])
         child = int(_recv(sock)["pid"])
     except (OSError, EOFError, ValueError, KeyError):
         sock.close()
@@ -183,12 +202,17 @@ def _run_child(conn: socket.socket, request: dict, fds: list[int]) -> None:
             with contextlib.suppress(Exception):
                 stream.flush()
         os.chdir(request["cwd"])
+        if "umask" in request:
+            os.umask(int(request["umask"]))
+        if request.get("cpus") and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, request["cpus"])
         os.environ.clear()
         os.environ.update(request["env"])
         sys.argv = [sys.argv[0], *request["argv"]]
         sys.path[0] = request["cwd"]
         # the project's own modules come from where a fresh `python -m stages` in this cwd
-        # finds them (the client's clone), not from the server's: forget the few it imported
+        # finds them (sys.path[0], PYTHONPATH, the editable install), not from the server's
+        # start: forget the few it imported
         for name in [n for n in sys.modules if n == "stages" or n.startswith("stages.")]:
             del sys.modules[name]
         for sig in FORWARDED + (signal.SIGCHLD,):
@@ -346,6 +370,7 @@ def listening(path: str) -> bool:
     """Whether a server accepts connections on the socket `path` (it reads the empty request
     as a client gone and goes on)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(CONNECT_TIMEOUT)
     try:
         sock.connect(path)
         return True
@@ -368,7 +393,8 @@ def running(root: Path, env: dict[str, str],
         yield {k: v for k, v in env.items() if k != ENV}
         return
     shared = env.get(SHARED_ENV, "")
-    if shared and listening(shared):  # a server that outlives this repro: its owner stops it
+    # a server that outlives this repro: its owner stops it
+    if shared.lower() not in ("", "off", "0", "false") and listening(shared):
         yield dict(env, **{ENV: shared})
         return
     from stages.core.proc import fixed_env, kill_with_parent

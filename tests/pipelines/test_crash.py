@@ -131,9 +131,12 @@ def test_repro_removes_dead_stages_temporaries(crash_repo: Path):
     assert str(dead.pid) not in status, status
 
 
-def test_two_repros_of_one_pipeline_take_turns(crash_repo: Path):
+def test_two_repros_of_one_pipeline_take_turns(crash_repo: Path,
+                                               monkeypatch: pytest.MonkeyPatch):
     """The second `paperline repro base` waits for the first (which recomputes `evaluate`)
-    instead of failing on DVC's 'is busy' error; `--no-wait` refuses at once, naming the pid."""
+    instead of failing on DVC's 'is busy' error; `--no-wait` refuses at once, naming the pid.
+    Each repro starts its own fork server here, as a user's does (not the test session's)."""
+    monkeypatch.setenv("PAPERLINE_FORKSERVER_SHARED", "off")
     set_params(crash_repo, **{"evaluate.temperature": 0.7})  # only `evaluate` reruns
     exe = str(Path(sys.executable).parent / "paperline")
     first = subprocess.Popen([exe, "repro", "base"], cwd=crash_repo, stdout=subprocess.PIPE,
@@ -141,6 +144,12 @@ def test_two_repros_of_one_pipeline_take_turns(crash_repo: Path):
     lock = crash_repo / ".paperline/locks/base.lock"
     deadline = time.monotonic() + 120
     while not (lock.is_file() and f"pid {first.pid} " in lock.read_text()):
+        assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+        time.sleep(0.1)
+    import psutil
+
+    while not any("stages.core.forkserver" in " ".join(c.cmdline())
+                  for c in psutil.Process(first.pid).children()):  # its own server
         assert first.poll() is None and time.monotonic() < deadline, first.communicate()
         time.sleep(0.1)
     refused = subprocess.run([exe, "repro", "base", "--no-wait"], cwd=crash_repo,

@@ -2,10 +2,12 @@
 whose DVC hashes equal the first clone's, stage by stage.
 
 Run 1 is the smoke repro the pipeline's own test module already made (`smoke_repo` for `base`, a
-module fixture for the others), its stages forked from `paperline repro`'s fork server. Run 2 is
-a fresh `copy_repo` reproduced the same way (or only some stages of it, `only=`) under another
-inherited `PYTHONHASHSEED`, which every stage must override (stages/core/proc.py), with no fork
-server: every stage a fresh interpreter (stages/core/forkserver.py). A pipeline other than `base` gets run 1's root-stage outputs, lock and
+module fixture for the others), its stages forked from the test session's shared fork server
+(the one `paperline repro` uses under tests: tests/conftest.py `shared_forkserver`, warm from
+earlier repros). Run 2 is a fresh `copy_repo` reproduced the same way (or only some stages of
+it, `only=`) under another inherited `PYTHONHASHSEED`, which every stage must override
+(stages/core/proc.py), with no fork server: every stage a fresh interpreter
+(stages/core/forkserver.py). A pipeline other than `base` gets run 1's root-stage outputs, lock and
 cache objects (not the run-cache), so `base` is not retrained while every stage of the pipeline
 under test computes again; the test checks from dvc's log that each of them ran.
 
@@ -98,7 +100,7 @@ def assert_same_bytes(first: Path, pipeline: str, dvcfile: str, dest: Path,
     if pipeline != "base":
         share_root_stages(first, second)
     monkeypatch.setenv("PYTHONHASHSEED", OTHER_HASH_SEED)
-    # Run 1 (`paperline repro`) ran its stages in forks of the fork server; run 2 starts each
+    # Run 1 (`paperline repro`) ran its stages in forks of a fork server; run 2 starts each
     # stage as a fresh interpreter, as a plain `dvc repro` or a Prefect worker does: the bytes
     # must not depend on how a stage process started (stages/core/forkserver.py).
     monkeypatch.setenv("PAPERLINE_FORKSERVER", "off")

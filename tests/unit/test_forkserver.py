@@ -122,26 +122,36 @@ def _shadow_stages(root: Path) -> Path:
     text = main.read_text()
     marker = "def main(argv: list[str] | None = None) -> int:\n"
     assert marker in text
-    main.write_text(text.replace(
-        marker, marker + "    print('shadow stages in', __import__('os').getpid(), flush=True)\n"))
+    main.write_text(text.replace(marker, marker + (
+        "    import os\n"
+        "    mask = os.umask(0); os.umask(mask)\n"
+        "    print('shadow stages in', os.getpid(), sorted(os.sched_getaffinity(0)), oct(mask),"
+        " flush=True)\n")))
     return root
 
 
-def test_a_forked_stage_imports_the_project_from_its_clients_clone(tmp_path: Path):
+def _narrowed() -> None:  # in the client, before it runs: one CPU, a strict umask
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    os.umask(0o077)
+
+
+def test_a_forked_stage_runs_the_clients_code_on_the_clients_cpus(tmp_path: Path):
     """The server imported `stages` (its own module, `proc`) from where it started; a stage
     asked from another clone runs that clone's code, as a fresh `python -m stages` there
     would: the child forgets the project modules it inherited (a shared server serves every
-    repo copy of a test session)."""
+    repo copy of a test session). It also runs on the client's CPUs (torch sizes its thread
+    pool by them) with the client's umask, not the server's."""
     shadow = _shadow_stages(tmp_path / "clone")
     (shadow / ".dvc").mkdir()  # a repo root, as a clone is
     shutil.copy(REPO / "params.yaml", shadow / "params.yaml")
     with forkserver.running(REPO, {**os.environ, forkserver.LATE_ENV: "off"}) as env:
         _wait_ready(env[forkserver.ENV])
-        proc = _stage(shadow, env, "nosuch", "tasks")
+        proc = _stage(shadow, env, "nosuch", "tasks", preexec_fn=_narrowed)
         out, err = proc.communicate(timeout=120)
     assert proc.returncode == 2 and "nosuch" in err, (out, err)
     (line,) = [ln for ln in out.splitlines() if ln.startswith("shadow stages in")]
-    assert int(line.split()[-1]) != proc.pid  # run by the forked child, not by the client
+    assert int(line.split()[3]) != proc.pid  # run by the forked child, not by the client
+    assert line.endswith(f" [{min(os.sched_getaffinity(0))}] 0o77"), line
 
 
 def test_a_shared_server_serves_each_repro_and_outlives_it(monkeypatch, tmp_path: Path):
