@@ -49,6 +49,8 @@ def sequence(repo: Path, pipelines: list[str], shared: bool) -> tuple[float, flo
     with (forkserver.running(repo, env) if shared else _nothing(env)) as server_env:
         if shared:
             env[forkserver.SHARED_ENV] = server_env[forkserver.ENV]
+            while not forkserver.listening(env[forkserver.SHARED_ENV]):  # or the first repro
+                time.sleep(0.05)                                         # starts its own
         for p in pipelines:
             run([sys.executable, "-m", "flows.cli", "repro", p, "--force"], repo, env)
     wall = time.perf_counter() - t

@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -178,6 +179,9 @@ def shared_forkserver() -> Iterator[None]:
         return
     with forkserver.running(REPO, dict(os.environ)) as env:
         if forkserver.ENV in env:  # not with PAPERLINE_FORKSERVER=off
+            deadline = time.monotonic() + 60  # listening before the first repro asks
+            while not forkserver.listening(env[forkserver.ENV]) and time.monotonic() < deadline:
+                time.sleep(0.05)
             os.environ[forkserver.SHARED_ENV] = env[forkserver.ENV]
         try:
             yield

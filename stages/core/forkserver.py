@@ -91,9 +91,15 @@ LATE_ENV = "PAPERLINE_FORKSERVER_LATE"
 SAME_ENV = ("PYTHONPATH", "PYTHONHASHSEED", "PYTHONHOME", "PYTHONSAFEPATH", "VIRTUAL_ENV",
             "PAPERLINE_CPU_ISA", *AVX2_KERNELS, "HF_HOME", "HF_HUB_CACHE",
             "HUGGINGFACE_HUB_CACHE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "XDG_CACHE_HOME",
+            "HF_DATASETS_CACHE", "HF_DATASETS_OFFLINE",
             "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
             "CUDA_VISIBLE_DEVICES")
-CONNECT_TIMEOUT = 10.0  # seconds; a listening server accepts at once (its backlog)
+# A connect never waits: a listening server's backlog takes it at once, and a full backlog (a
+# server that stopped accepting) refuses it at once (a Unix socket with a timeout does not
+# block in connect), so the client runs the stage itself. A server that accepts and never
+# answers is not guarded against: once it may have forked, running the stage here too would
+# run it twice.
+CONNECT_TIMEOUT = 10.0
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 _HEADER = struct.Struct("!I")
 
@@ -148,7 +154,7 @@ def delegate(argv: list[str]) -> int | None:
     if not path:
         return None
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(CONNECT_TIMEOUT)  # a wedged server: run here rather than wait on it
+    sock.settimeout(CONNECT_TIMEOUT)  # a full backlog: run here (CONNECT_TIMEOUT)
     try:
         sock.connect(path)
     except OSError:
@@ -338,6 +344,10 @@ def serve(path: str) -> None:
                 raise PermissionError("peer of another user")
             request = _recv(conn, fds)
             differs = [k for k in SAME_ENV if request["env"].get(k) != os.environ.get(k)]
+            cpus = request.get("cpus")
+            if cpus and hasattr(os, "sched_getaffinity") and \
+                    not set(cpus) <= os.sched_getaffinity(0):  # the child could not take them
+                differs.append("CPU affinity")
             if differs:  # a fresh interpreter would import other code: let the client run it
                 # (refused before the preload: a refused client does not wait for it)
                 _send(conn, {"refused": f"{', '.join(differs)} differ from the server's"})

@@ -137,6 +137,7 @@ def test_two_repros_of_one_pipeline_take_turns(crash_repo: Path,
     instead of failing on DVC's 'is busy' error; `--no-wait` refuses at once, naming the pid.
     Each repro starts its own fork server here, as a user's does (not the test session's)."""
     monkeypatch.setenv("PAPERLINE_FORKSERVER_SHARED", "off")
+    monkeypatch.delenv("PAPERLINE_FORKSERVER", raising=False)  # a user's `off` would hide it
     set_params(crash_repo, **{"evaluate.temperature": 0.7})  # only `evaluate` reruns
     exe = str(Path(sys.executable).parent / "paperline")
     first = subprocess.Popen([exe, "repro", "base"], cwd=crash_repo, stdout=subprocess.PIPE,

@@ -154,9 +154,34 @@ def test_a_forked_stage_runs_the_clients_code_on_the_clients_cpus(tmp_path: Path
     assert line.endswith(f" [{min(os.sched_getaffinity(0))}] 0o77"), line
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
+def test_a_client_on_cpus_the_server_lacks_runs_the_stage_itself(tmp_path: Path):
+    """A server confined to one CPU cannot give its child the client's two: it refuses, and
+    the client runs the stage in its own interpreter (a stage never fails for the server)."""
+    shadow = _shadow_stages(tmp_path / "clone")
+    (shadow / ".dvc").mkdir()
+    shutil.copy(REPO / "params.yaml", shadow / "params.yaml")
+    mine = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(mine)})  # the server inherits one CPU
+    try:
+        with forkserver.running(REPO, {**os.environ, forkserver.LATE_ENV: "off"}) as env:
+            os.sched_setaffinity(0, mine)
+            _wait_ready(env[forkserver.ENV])
+            proc = _stage(shadow, env, "nosuch", "tasks")
+            out, err = proc.communicate(timeout=120)
+    finally:
+        os.sched_setaffinity(0, mine)
+    assert proc.returncode == 2 and "nosuch" in err, (out, err)
+    (line,) = [ln for ln in out.splitlines() if ln.startswith("shadow stages in")]
+    assert int(line.split()[3]) == proc.pid, line  # run by the client itself
+
+
 def test_a_shared_server_serves_each_repro_and_outlives_it(monkeypatch, tmp_path: Path):
     """$PAPERLINE_FORKSERVER_SHARED naming a listening server: `running` starts none and hands
     that one to the stages; naming a socket nobody listens on: it starts its own as usual."""
+    clone = _shadow_stages(tmp_path / "clone")
+    (clone / ".dvc").mkdir()
+    shutil.copy(REPO / "params.yaml", clone / "params.yaml")
     with forkserver.running(REPO, {**os.environ, forkserver.LATE_ENV: "off"}) as env:
         path = env[forkserver.ENV]
         _wait_ready(path)
@@ -166,18 +191,20 @@ def test_a_shared_server_serves_each_repro_and_outlives_it(monkeypatch, tmp_path
         _FakeServer.started.clear()
         with forkserver.running(REPO, {**os.environ, forkserver.SHARED_ENV: path}) as stage_env:
             assert stage_env[forkserver.ENV] == path
-            proc = real_popen([sys.executable, "-m", "stages", "nosuch", "tasks"], cwd=REPO,
+            proc = real_popen([sys.executable, "-m", "stages", "nosuch", "tasks"], cwd=clone,
                               env=stage_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True)
-            _, err = proc.communicate(timeout=120)
+            out, err = proc.communicate(timeout=120)
             assert proc.returncode == 2 and "nosuch" in err
+            (line,) = [ln for ln in out.splitlines() if ln.startswith("shadow stages in")]
+            assert int(line.split()[3]) != proc.pid  # forked by the shared server
         assert _FakeServer.started == [] and forkserver.listening(path)
         assert server.is_running()
         gone = str(tmp_path / "gone.sock")
         with forkserver.running(REPO, {**os.environ, forkserver.SHARED_ENV: gone}) as stage_env:
             assert stage_env[forkserver.ENV] != gone
         assert len(_FakeServer.started) == 1
-    assert not forkserver.listening(path)
+    assert not psutil.pid_exists(server.pid) or server.status() == psutil.STATUS_ZOMBIE
 
 
 def test_trl_is_imported_late_only_for_pipelines_that_train_with_grpo():
