@@ -55,6 +55,15 @@ def lock_md5s(repo: Path) -> list[str]:
                   for line in p.read_text().splitlines() if "md5:" in line)
 
 
+def smoke_clone(tmp: Path) -> Path:
+    """A clone of this checkout's HEAD under `tmp`, at the smoke profile."""
+    repo = tmp / "repo"
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(repo)], check=True)
+    params = repo / "params.yaml"
+    params.write_text(params.read_text().replace("profile: cpu", "profile: smoke", 1))
+    return repo
+
+
 MODES = {  # name: (row label, environment)
     "server": ("forked from the server (`paperline repro`, default)", {}),
     "first": ("forked, the server importing only torch & co. (`PAPERLINE_FORKSERVER_LATE=off`)",
@@ -74,10 +83,7 @@ def main() -> None:
     cli = [sys.executable, "-m", "flows.cli", "repro", args.pipeline]
     tmp = Path(tempfile.mkdtemp(prefix="paperline-forkserver-"))
     try:
-        repo = tmp / "repo"
-        subprocess.run(["git", "clone", "-q", str(ROOT), str(repo)], check=True)
-        params = repo / "params.yaml"
-        params.write_text(params.read_text().replace("profile: cpu", "profile: smoke", 1))
+        repo = smoke_clone(tmp)
         print(f"building {args.pipeline} at smoke in {repo} ...", flush=True)
         run(cli, repo, env_for(repo, PAPERLINE_FORKSERVER="off"))
         times: dict[str, list[tuple[float, float]]] = {m: [] for m in args.modes}

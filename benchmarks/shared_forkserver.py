@@ -20,10 +20,10 @@ whether every dvc.lock md5 is the same after both sequences.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks._results import write_section  # noqa: E402
-from benchmarks.forkserver import lock_md5s, run  # noqa: E402
+from benchmarks.forkserver import lock_md5s, run, smoke_clone  # noqa: E402
 from benchmarks.startup import env_for  # noqa: E402
 
 
@@ -46,7 +46,7 @@ def sequence(repo: Path, pipelines: list[str], shared: bool) -> tuple[float, flo
     env = env_for(repo, PAPERLINE_CHECK_CACHE=str(repo / f".checks-{time.time_ns()}"))
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t = time.perf_counter()
-    with (forkserver.running(repo, env) if shared else _nothing(env)) as server_env:
+    with (forkserver.running(repo, env) if shared else contextlib.nullcontext(env)) as server_env:
         if shared:
             env[forkserver.SHARED_ENV] = server_env[forkserver.ENV]
             while not forkserver.listening(env[forkserver.SHARED_ENV]):  # or the first repro
@@ -58,17 +58,6 @@ def sequence(repo: Path, pipelines: list[str], shared: bool) -> tuple[float, flo
     return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
-class _nothing:
-    def __init__(self, env: dict[str, str]) -> None:
-        self.env = env
-
-    def __enter__(self) -> dict[str, str]:
-        return self.env
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=2)
@@ -77,10 +66,7 @@ def main() -> None:
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="paperline-shared-fs-"))
     try:
-        repo = tmp / "repo"
-        subprocess.run(["git", "clone", "-q", str(ROOT), str(repo)], check=True)
-        params = repo / "params.yaml"
-        params.write_text(params.read_text().replace("profile: cpu", "profile: smoke", 1))
+        repo = smoke_clone(tmp)
         print(f"building {' '.join(args.pipelines)} at smoke in {repo} ...", flush=True)
         for p in args.pipelines:
             run([sys.executable, "-m", "flows.cli", "repro", p], repo,
