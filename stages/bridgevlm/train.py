@@ -178,13 +178,20 @@ class Config(BaseModel):
 
 # --- data -----------------------------------------------------------------------------------
 
-def load_split(folder: Path, split: str, size: int) -> tuple[Any, list[Any], list[Any]]:
-    """(table, before images, after images), checked: the GE suite, then every PNG decoded."""
+def load_split(folder: Path, split: str, size: int, check: bool = True
+               ) -> tuple[Any, list[Any], list[Any]]:
+    """(table, before images, after images), checked: the GE suite, then every PNG decoded.
+    `check` False skips the suite: a spawned training worker reading the files its stage
+    process checked moments before (the suite and great-expectations' import cost a worker
+    ~20 s)."""
+    import polars as pl
+
     from stages.core.checks import read_parquet_checked
     from stages.tasks.images import decode_all
 
     path = folder / f"{split}.parquet"
-    df = read_parquet_checked(path, pendulum.expectations(None, split))
+    df = (read_parquet_checked(path, pendulum.expectations(None, split)) if check
+          else pl.read_parquet(path))
     kw = {"size": (size, size), "mode": "RGB", "source": str(path)}
     return (df, decode_all(df["image_before"], df["id"], **kw),
             decode_all(df["image_after"], df["id"], **kw))
@@ -313,6 +320,11 @@ def descriptions(model: bmodel.BridgeVLM, tok: Any) -> Any:
     return torch.stack(rows).detach()
 
 
+# What model selection asks the validation split: its score is the mean of these two
+# accuracies, so the structure question (a third of the greedy decoding) is not asked there.
+SELECTION_KINDS = ("intervention", "counterfactual")
+
+
 def selection_points(steps: int, every: int | None) -> list[int]:
     """The steps (0-based, after their update) at which the validation split is answered."""
     if every is None:
@@ -392,7 +404,7 @@ def train_arm(cfg: Config, arm: Arm, model: bmodel.BridgeVLM, data: Batches,
             log({f"train/{k}": v for k, v in record.items()}, step)
         if step in points:
             model.eval()
-            vm = evaluate(cfg, arm, model, val[0], val[1], tok)
+            vm = evaluate(cfg, arm, model, val[0], val[1], tok, SELECTION_KINDS)
             model.train()
             scores[step] = vm["average_acc"]
             log({"val/average_acc": vm["average_acc"]}, step)
@@ -413,27 +425,33 @@ def train_arm(cfg: Config, arm: Arm, model: bmodel.BridgeVLM, data: Batches,
 
 
 def evaluate(cfg: Config, arm: Arm, model: bmodel.BridgeVLM, data: Batches, rows: list[dict],
-             tok: Any) -> dict[str, float]:
-    """Greedy answers to the three questions of every row; structure from answers and from A."""
+             tok: Any, kinds: Sequence[str] = bmodel.QUESTION_KINDS) -> dict[str, float]:
+    """Greedy answers to the questions `kinds` (all three: the test split) of every row;
+    structure from the answers and from A when `structure` is asked. Model selection asks
+    intervention and counterfactual only: its score is their mean (`average_acc`)."""
     import torch
 
+    unknown = sorted(set(kinds) - set(bmodel.QUESTION_KINDS))
+    if unknown or not {"intervention", "counterfactual"} <= set(kinds):
+        raise ValueError(f"kinds {list(kinds)}: need intervention and counterfactual, "
+                         f"optionally structure ({list(bmodel.QUESTION_KINDS)})")
     with torch.no_grad():
-        return _evaluate(cfg, arm, model, data, rows, tok)
+        return _evaluate(cfg, arm, model, data, rows, tok, kinds)
 
 
 def _evaluate(cfg: Config, arm: Arm, model: bmodel.BridgeVLM, data: Batches, rows: list[dict],
-              tok: Any) -> dict[str, float]:
+              tok: Any, asked: Sequence[str]) -> dict[str, float]:
     import numpy as np
     import torch
 
     n_causal = model.causal.n_tokens if model.causal is not None else 0
     image_tokens = cfg.spec.patch_tokens
-    correct: dict[str, list[tuple[str, int]]] = {k: [] for k in bmodel.QUESTION_KINDS}
+    correct: dict[str, list[tuple[str, int]]] = {k: [] for k in asked}
     struct: list[tuple[str, int, int]] = []          # (scm, predicted yes, true label)
     a_rows: list[Any] = []
     s_rows: list[Any] = []
     max_new = cfg.trace_tokens if arm.target == "trace" else cfg.answer_tokens
-    for kind in bmodel.QUESTION_KINDS:
+    for kind in asked:
         prompts = []
         for i, row in enumerate(rows):
             values = (row["before"], row["after"]) if arm.input == "values" else None
@@ -462,10 +480,14 @@ def _evaluate(cfg: Config, arm: Arm, model: bmodel.BridgeVLM, data: Batches, row
     scms = sorted({r["scm"] for r in rows})
     for kind, name in (("intervention", "intervention_acc"), ("counterfactual", "cf_acc"),
                        ("structure", "structure_acc")):
+        if kind not in correct:
+            continue
         m[name] = float(np.mean([c for _, c in correct[kind]]))
         for scm in scms:
             m[f"{name}_{scm}"] = float(np.mean([c for s, c in correct[kind] if s == scm]))
     m["average_acc"] = (m["intervention_acc"] + m["cf_acc"]) / 2
+    if "structure" not in correct:
+        return m
 
     def answers_f1(items: list[tuple[str, int, int]]) -> float:
         pred = np.array([p for _, p, _ in items], dtype=float)
@@ -519,22 +541,23 @@ def save_model(model: bmodel.BridgeVLM, arm_name: str, arm: Arm, cfg: Config, pa
 _LOADED: dict[tuple, Any] = {}
 
 
-def prepared(cfg: Config, folder: Path) -> dict[str, Any]:
+def prepared(cfg: Config, folder: Path, check: bool = True) -> dict[str, Any]:
     """The splits (checked, decoded) and the tokenizer, once per process: the tokenizer is built
-    from the train split's texts, so every process and every arm gets the same one."""
+    from the train split's texts, so every process and every arm gets the same one. `check`
+    False: the stage process has checked the files (`load_split`)."""
     key = (str(folder), cfg.split, cfg.spec.image_size, cfg.max_eval_rows, cfg.select_every,
            cfg.select_rows)
     if key not in _LOADED:
         size = cfg.spec.image_size
-        train_df, train_b, train_a = load_split(folder, "train", size)
-        test_df, test_b, test_a = load_split(folder, cfg.split, size)
+        train_df, train_b, train_a = load_split(folder, "train", size, check)
+        test_df, test_b, test_a = load_split(folder, cfg.split, size, check)
         n = cfg.max_eval_rows or test_df.height
         train_rows = train_df.to_dicts()
         _LOADED[key] = {"train": (train_rows, train_b, train_a),
                         "test": (test_df.head(n).to_dicts(), test_b[:n], test_a[:n]),
                         "tok": vlm_model.build_tokenizer("word", tokenizer_texts(train_rows))}
         if cfg.select_every is not None:
-            val_df, val_b, val_a = load_split(folder, "val", size)
+            val_df, val_b, val_a = load_split(folder, "val", size, check)
             v = cfg.select_rows or val_df.height
             _LOADED[key]["val"] = (val_df.head(v).to_dicts(), val_b[:v], val_a[:v])
     return _LOADED[key]
@@ -550,12 +573,13 @@ def causal_tokens(cfg: Config, arm: Arm) -> int:
 def train_job(job: tuple[Config, str, str, int, str, int]) -> tuple[list[dict], dict[str, float]]:
     """One (arm, seed): train, answer the test split, save to `<out>/<arm>/seed<k>`. Runs in
     the stage's process or in a spawned worker (`workers` > 1); returns the logged training
-    records and the metrics (MLflow logging stays in the stage's process)."""
+    records and the metrics (MLflow logging stays in the stage's process). The stage process
+    checked the splits before any job (`run`); a worker reads them without the suite."""
     import torch
 
     cfg, folder, name, seed, out, threads = job
     torch.set_num_threads(threads)
-    data = prepared(cfg, Path(folder))
+    data = prepared(cfg, Path(folder), check=False)
     tok, arm = data["tok"], cfg.arms[name]
     side = cfg.spec.image_size // cfg.spec.patch_size
     examples = build_examples(data["train"][0], arm, tok, cfg.spec.patch_tokens,

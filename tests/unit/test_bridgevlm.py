@@ -484,3 +484,56 @@ def test_no_node_ablation_is_paired_with_input_concat_bridgevlm():
     # it in the node tokens only
     method, baseline, statistic, *_ = compare.CLAIMS["no_node"]
     assert (method, baseline, statistic) == ("bridgevlm_concat", "no_node", "average_acc")
+
+
+def test_model_selection_asks_two_questions_and_scores_them_as_the_test_pass_does():
+    """Selection's score is the mean of intervention and counterfactual accuracy, so it leaves
+    the structure question out; what it does ask must score exactly as the full pass."""
+    from stages.bridgevlm import train
+    from stages.models import vlm as vlm_model
+    from stages.tasks.images import decode_all
+
+    rows = pendulum.generate_splits(pendulum.TaskConfig(), {"test": 1, "val": 1, "train": 6},
+                                    seed=0)["train"]
+    df = pl.DataFrame(rows)
+    before, after = (decode_all(df[c], df["id"], mode="RGB", size=(32, 32), source="rows")
+                     for c in ("image_before", "image_after"))
+    tok = vlm_model.build_tokenizer("word", train.tokenizer_texts(rows))
+    cfg = train.Config(
+        arms={"b": train.Arm(causal=True)}, answer_tokens=3, eval_batch=4,
+        spec=vlm_model.Spec(image_size=32, patch_size=16, vision_hidden=16, vision_heads=2,
+                            hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
+                            max_positions=128),
+        causal=causal.CausalSpec(heads=2, decoder_layers=[1]))
+    arm = cfg.arms["b"]
+    torch.manual_seed(0)
+    model = train.build_model(cfg, arm, tok).eval()
+    data = train.Batches(rows, before, after, tok, arm, cfg.edge_label_scms, 2)
+    full = train.evaluate(cfg, arm, model, data, rows, tok)
+    chosen = train.evaluate(cfg, arm, model, data, rows, tok, train.SELECTION_KINDS)
+    assert {"structure_acc", "structure_f1", "a_f1_hard"} <= set(full)
+    assert not any(k.startswith(("structure", "a_f1", "struct_")) for k in chosen)
+    assert chosen == {k: v for k, v in full.items() if k in chosen}
+    assert set(chosen) >= {"intervention_acc", "cf_acc", "average_acc"}
+    with pytest.raises(ValueError, match="need intervention and counterfactual"):
+        train.evaluate(cfg, arm, model, data, rows, tok, ("intervention", "structure"))
+
+
+def test_prompt_pieces_are_tokenized_once_and_handed_out_as_copies():
+    from stages.models.vlm import build_tokenizer
+
+    tok = build_tokenizer("word", ["what is the angle ?"])
+    calls = []
+    real = type(tok).__call__
+
+    class Counting(type(tok)):
+        def __call__(self, *a, **kw):
+            calls.append(a[0])
+            return real(self, *a, **kw)
+
+    tok.__class__ = Counting
+    first = bmodel._piece(tok, "what is the angle ?")
+    first.append(-1)                        # a caller extending its list
+    again = bmodel._piece(tok, "what is the angle ?")
+    assert again == real(tok, "what is the angle ?", add_special_tokens=False)["input_ids"]
+    assert calls == ["what is the angle ?"] and bmodel._piece(tok, "  ") == []
