@@ -93,7 +93,8 @@ def parse_answer(text: str) -> str:
 
 # Token ids of each prompt piece, per tokenizer: a run encodes the same few hundred queries
 # over and over (every validation pass, the test pass, the examples), and one call into the
-# fast tokenizer costs ~0.1 ms of Python: ~4 s of a 50-s training run before this cache.
+# fast tokenizer costs ~0.1 ms of Python: ~4 s of a 50-s training run before this cache. A
+# tokenizer must not gain tokens after its first prompt (`build_tokenizer` adds them all first).
 _PIECES: "weakref.WeakKeyDictionary[Any, dict[str, list[int]]]" = weakref.WeakKeyDictionary()
 
 

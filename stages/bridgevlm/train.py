@@ -178,20 +178,13 @@ class Config(BaseModel):
 
 # --- data -----------------------------------------------------------------------------------
 
-def load_split(folder: Path, split: str, size: int, check: bool = True
-               ) -> tuple[Any, list[Any], list[Any]]:
-    """(table, before images, after images), checked: the GE suite, then every PNG decoded.
-    `check` False skips the suite: a spawned training worker reading the files its stage
-    process checked moments before (the suite and great-expectations' import cost a worker
-    ~20 s)."""
-    import polars as pl
-
+def load_split(folder: Path, split: str, size: int) -> tuple[Any, list[Any], list[Any]]:
+    """(table, before images, after images), checked: the GE suite, then every PNG decoded."""
     from stages.core.checks import read_parquet_checked
     from stages.tasks.images import decode_all
 
     path = folder / f"{split}.parquet"
-    df = (read_parquet_checked(path, pendulum.expectations(None, split)) if check
-          else pl.read_parquet(path))
+    df = read_parquet_checked(path, pendulum.expectations(None, split))
     kw = {"size": (size, size), "mode": "RGB", "source": str(path)}
     return (df, decode_all(df["image_before"], df["id"], **kw),
             decode_all(df["image_after"], df["id"], **kw))
@@ -541,23 +534,22 @@ def save_model(model: bmodel.BridgeVLM, arm_name: str, arm: Arm, cfg: Config, pa
 _LOADED: dict[tuple, Any] = {}
 
 
-def prepared(cfg: Config, folder: Path, check: bool = True) -> dict[str, Any]:
+def prepared(cfg: Config, folder: Path) -> dict[str, Any]:
     """The splits (checked, decoded) and the tokenizer, once per process: the tokenizer is built
-    from the train split's texts, so every process and every arm gets the same one. `check`
-    False: the stage process has checked the files (`load_split`)."""
+    from the train split's texts, so every process and every arm gets the same one."""
     key = (str(folder), cfg.split, cfg.spec.image_size, cfg.max_eval_rows, cfg.select_every,
            cfg.select_rows)
     if key not in _LOADED:
         size = cfg.spec.image_size
-        train_df, train_b, train_a = load_split(folder, "train", size, check)
-        test_df, test_b, test_a = load_split(folder, cfg.split, size, check)
+        train_df, train_b, train_a = load_split(folder, "train", size)
+        test_df, test_b, test_a = load_split(folder, cfg.split, size)
         n = cfg.max_eval_rows or test_df.height
         train_rows = train_df.to_dicts()
         _LOADED[key] = {"train": (train_rows, train_b, train_a),
                         "test": (test_df.head(n).to_dicts(), test_b[:n], test_a[:n]),
                         "tok": vlm_model.build_tokenizer("word", tokenizer_texts(train_rows))}
         if cfg.select_every is not None:
-            val_df, val_b, val_a = load_split(folder, "val", size, check)
+            val_df, val_b, val_a = load_split(folder, "val", size)
             v = cfg.select_rows or val_df.height
             _LOADED[key]["val"] = (val_df.head(v).to_dicts(), val_b[:v], val_a[:v])
     return _LOADED[key]
@@ -573,13 +565,12 @@ def causal_tokens(cfg: Config, arm: Arm) -> int:
 def train_job(job: tuple[Config, str, str, int, str, int]) -> tuple[list[dict], dict[str, float]]:
     """One (arm, seed): train, answer the test split, save to `<out>/<arm>/seed<k>`. Runs in
     the stage's process or in a spawned worker (`workers` > 1); returns the logged training
-    records and the metrics (MLflow logging stays in the stage's process). The stage process
-    checked the splits before any job (`run`); a worker reads them without the suite."""
+    records and the metrics (MLflow logging stays in the stage's process)."""
     import torch
 
     cfg, folder, name, seed, out, threads = job
     torch.set_num_threads(threads)
-    data = prepared(cfg, Path(folder), check=False)
+    data = prepared(cfg, Path(folder))
     tok, arm = data["tok"], cfg.arms[name]
     side = cfg.spec.image_size // cfg.spec.patch_size
     examples = build_examples(data["train"][0], arm, tok, cfg.spec.patch_tokens,
