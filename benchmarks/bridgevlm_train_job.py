@@ -8,8 +8,10 @@ the validation split answered every 100 steps for the checkpoint choice, then th
 runs each job in a spawned worker. Here each run is a fresh process that calls `train_job` on
 the pipeline's data (`pipelines/bridgevlm/data/pairs`: `paperline repro bridgevlm` first), as a
 worker's first job does, with the code of `--base` (a git worktree) or of this tree, in
-alternating order. CPU seconds are the process's own (user + system), start-up imports included;
-the saved model files must be byte-identical between the two codes, or the run fails.
+alternating order, from the repository root (the checks' cache there is warm after a repro,
+as it is for a worker, which the stage process's own checks have just warmed). CPU seconds are
+the process's own (user + system), start-up imports included; the saved model files and the
+returned metrics (timings aside) must be identical between the two codes, or the run fails.
 
 `--write` replaces the "BridgeVLM training job" section of benchmarks/RESULTS.md.
 """
@@ -48,7 +50,8 @@ u = resource.getrusage(resource.RUSAGE_SELF)
 files = {str(f.relative_to(out)): hashlib.md5(f.read_bytes()).hexdigest()
          for f in sorted(out.rglob("*")) if f.is_file()}
 print(json.dumps({"wall": time.perf_counter() - t0, "cpu": u.ru_utime + u.ru_stime,
-                  "files": files, "val_acc": m.get("selected_val_acc")}))
+                  "files": files, "records": records,
+                  "metrics": {k: v for k, v in m.items() if "seconds" not in k}}))
 """
 
 
@@ -78,17 +81,18 @@ def main() -> None:
                         out = Path(scratch) / f"{which}-{arm}-{i}"
                         proc = subprocess.run(
                             [sys.executable, "-c", ONE_RUN, str(code), arm, str(out), str(pipe)],
-                            capture_output=True, text=True, env={**os.environ,
-                                                                "PYTHONPATH": str(code)})
+                            capture_output=True, text=True, cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(code)})
                         if proc.returncode:
                             raise SystemExit(proc.stderr[-3000:])
                         got[which].append(json.loads(proc.stdout.splitlines()[-1]))
                         print(f"{arm} {which}: {got[which][-1]['cpu']:.1f} CPU s, "
                               f"{got[which][-1]['wall']:.1f} s wall", flush=True)
-                files = {json.dumps(run["files"], sort_keys=True)
-                         for runs in got.values() for run in runs}
-                if len(files) != 1:
-                    raise SystemExit(f"{arm}: the two codes saved different model files")
+                for key in ("files", "metrics", "records"):
+                    seen = {json.dumps(run[key], sort_keys=True)
+                            for runs in got.values() for run in runs}
+                    if len(seen) != 1:
+                        raise SystemExit(f"{arm}: the two codes gave different {key}")
                 med = {k: statistics.median(r["cpu"] for r in v) for k, v in got.items()}
                 rows.append((arm, med["base"], med["tree"]))
         finally:
@@ -102,16 +106,16 @@ def main() -> None:
         f"`cpu` profile (500 steps x 16, validation every 100 steps, then the test split; seed "
         f"0) in a fresh process, as a spawned worker's first job, on the code of {base} and of "
         f"this tree (HEAD {head}), alternating; CPU seconds of the process, start-up included. "
-        f"Every saved model file was byte-identical between the two. Load average "
+        f"Every saved model file, test metric and logged training record was identical "
+        f"between the two. Load average "
         f"{os.getloadavg()[0]:.1f} at the end.",
         "",
         f"| arm | CPU s, {base} | CPU s, this tree | this tree / {base} |",
         "|---|---|---|---|",
         *(f"| {arm} | {b:.1f} | {t:.1f} | {t / b:.2f} |" for arm, b, t in rows),
         "",
-        "What changed: prompt pieces tokenized once per tokenizer, the structure question left "
-        "out of model selection (its score does not read it), and no great-expectations suite "
-        "in a worker for files its stage process has just checked.",
+        "What changed: prompt pieces tokenized once per tokenizer, and the structure question "
+        "left out of model selection (its score does not read it).",
     ])
     print(body)
     if args.write:

@@ -486,9 +486,15 @@ def test_no_node_ablation_is_paired_with_input_concat_bridgevlm():
     assert (method, baseline, statistic) == ("bridgevlm_concat", "no_node", "average_acc")
 
 
-def test_model_selection_asks_two_questions_and_scores_them_as_the_test_pass_does():
+def test_model_selection_without_the_structure_question_picks_the_same_checkpoint(monkeypatch):
     """Selection's score is the mean of intervention and counterfactual accuracy, so it leaves
-    the structure question out; what it does ask must score exactly as the full pass."""
+    the structure question out: a short training run must pick the same step, log the same
+    validation scores and end with the same weights as one whose selection asks all three, and
+    the questions it asks must score exactly as in the full pass. (The tiny model never answers
+    a structure question right here, so a score that wrongly read it would still agree: the
+    recorded questions are what show selection leaves it out.)"""
+    import random
+
     from stages.bridgevlm import train
     from stages.models import vlm as vlm_model
     from stages.tasks.images import decode_all
@@ -500,23 +506,59 @@ def test_model_selection_asks_two_questions_and_scores_them_as_the_test_pass_doe
                      for c in ("image_before", "image_after"))
     tok = vlm_model.build_tokenizer("word", train.tokenizer_texts(rows))
     cfg = train.Config(
-        arms={"b": train.Arm(causal=True)}, answer_tokens=3, eval_batch=4,
+        arms={"b": train.Arm(causal=True)}, answer_tokens=3, eval_batch=8, steps=24,
+        batch_size=6, lr=1e-2, select_every=4,
         spec=vlm_model.Spec(image_size=32, patch_size=16, vision_hidden=16, vision_heads=2,
                             hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
                             max_positions=128),
         causal=causal.CausalSpec(heads=2, decoder_layers=[1]))
     arm = cfg.arms["b"]
-    torch.manual_seed(0)
-    model = train.build_model(cfg, arm, tok).eval()
     data = train.Batches(rows, before, after, tok, arm, cfg.edge_label_scms, 2)
-    full = train.evaluate(cfg, arm, model, data, rows, tok)
-    chosen = train.evaluate(cfg, arm, model, data, rows, tok, train.SELECTION_KINDS)
+    examples = train.build_examples(rows, arm, tok, cfg.spec.patch_tokens,
+                                    train.causal_tokens(cfg, arm), cfg.spec.max_positions,
+                                    cfg.edge_label_scms)
+    assert train.SELECTION_KINDS == ("intervention", "counterfactual")
+
+    asked: list[tuple[str, ...]] = []
+    evaluate = train.evaluate
+
+    def recording(*args, **kwargs):
+        asked.append(tuple(args[6]) if len(args) > 6 else bmodel.QUESTION_KINDS)
+        return evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(train, "evaluate", recording)
+
+    def trained(selection_kinds):
+        monkeypatch.setattr(train, "SELECTION_KINDS", selection_kinds)
+        torch.manual_seed(0)
+        random.seed(0)
+        model = train.build_model(cfg, arm, tok)
+        logged = []
+        out = train.train_arm(cfg, arm, model, data, examples, tok, 0,
+                              lambda m, step: logged.append((step, m.get("val/average_acc"))),
+                              (data, rows))
+        return model, out, [x for x in logged if x[1] is not None]
+
+    asks_all, out_all, val_all = trained(bmodel.QUESTION_KINDS)
+    asked.clear()
+    asks_two, out_two, val_two = trained(("intervention", "counterfactual"))
+    assert asked == [("intervention", "counterfactual")] * len(val_two)   # selection's passes
+    assert len({score for _, score in val_all}) > 1          # the scores move: a real choice
+    assert val_two == val_all
+    assert out_two["selected_step"] == out_all["selected_step"]
+    assert out_two["selected_val_acc"] == out_all["selected_val_acc"]
+    for (name, a), b in zip(asks_all.state_dict().items(), asks_two.state_dict().values()):
+        assert torch.equal(a, b), name
+
+    monkeypatch.setattr(train, "evaluate", evaluate)
+    full = train.evaluate(cfg, arm, asks_two, data, rows, tok)
+    chosen = train.evaluate(cfg, arm, asks_two, data, rows, tok, train.SELECTION_KINDS)
+    assert 0 < full["intervention_acc"] + full["cf_acc"]
     assert {"structure_acc", "structure_f1", "a_f1_hard"} <= set(full)
     assert not any(k.startswith(("structure", "a_f1", "struct_")) for k in chosen)
     assert chosen == {k: v for k, v in full.items() if k in chosen}
-    assert set(chosen) >= {"intervention_acc", "cf_acc", "average_acc"}
     with pytest.raises(ValueError, match="need intervention and counterfactual"):
-        train.evaluate(cfg, arm, model, data, rows, tok, ("intervention", "structure"))
+        train.evaluate(cfg, arm, asks_two, data, rows, tok, ("intervention", "structure"))
 
 
 def test_prompt_pieces_are_tokenized_once_and_handed_out_as_copies():
